@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny ImageFolders and launchers for train.py as one process or under torchrun."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def make_image_folder(root, counts, size=12, seed=0):
+    """Write an ImageFolder of random RGB PNGs: counts = {'train': {'cat': 5, ...}, 'val': {...}}."""
+    rng = np.random.default_rng(seed)
+    for split, classes in counts.items():
+        for name, n in classes.items():
+            folder = Path(root) / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                pixels = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(folder / f"{i:03d}.png")
+    return Path(root)
+
+
+@pytest.fixture
+def image_folder(tmp_path):
+    """Factory for tiny ImageFolders under tmp_path."""
+    return lambda counts, **kw: make_image_folder(tmp_path / "data", counts, **kw)
+
+
+def clean_env():
+    """The environment without torchrun's variables, so a child is one process unless launched by torchrun."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}}
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def run_python(*args, cwd=ROOT, timeout=600):
+    """Run `python ARGS` from the repository root; return the CompletedProcess (output captured as text)."""
+    return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=clean_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def run_torchrun(*args, nproc=2, cwd=ROOT, timeout=600):
+    """Run `torchrun --standalone --nproc_per_node=nproc ARGS`; return the CompletedProcess."""
+    return run_python("-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args, cwd=cwd,
+                      timeout=timeout)

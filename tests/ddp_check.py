@@ -1,0 +1,70 @@
+"""Run under torchrun by test_distributed.py: train on uneven shares, then report what every rank holds.
+
+Writes JSON to argv[1] (rank 0): per rank the flat weights, optimizer momentum and learning rate after
+training, and the validation totals next to a single-process reference computed on rank 0.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from data.datasets import build_dataloader  # noqa: E402
+from data.transforms import normalizer  # noqa: E402
+from models import build_model  # noqa: E402
+from train import train_one_epoch  # noqa: E402
+from utils.config import load_recipe  # noqa: E402
+from utils.metrics import evaluate  # noqa: E402
+from utils.optim import build_optimizer, build_scheduler  # noqa: E402
+from utils.torch_utils import (RANK, WORLD_SIZE, broadcast_buffers, cleanup_distributed, de_parallel,  # noqa: E402
+                               grad_scaler, init_seeds, setup_distributed, smart_DDP)
+
+
+def images(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randint(0, 256, (n, 3, 8, 8), dtype=torch.uint8, generator=g),
+                         torch.randint(0, 3, (n,), generator=g))
+
+
+def main(out, n_train, n_val, batch, epochs):
+    device = torch.device("cpu")
+    setup_distributed(device)
+    init_seeds(RANK)
+    cfg = load_recipe("cls.yaml", [f"train.epochs={epochs}", "model.width=4", "model.depth=2"])
+    train_set, val_set = images(n_train, 0), images(n_val, 1)
+    train_loader = build_dataloader(train_set, batch // WORLD_SIZE, True, 0, 0, device)
+    val_loader = build_dataloader(val_set, batch // WORLD_SIZE, False, 0, 0, device)
+    normalize = normalizer(cfg.data, device)
+    model = build_model(cfg.model, 3)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.sched, epochs, -(-n_train // batch))
+    model = smart_DDP(model, device) if WORLD_SIZE > 1 else model
+    criterion = torch.nn.CrossEntropyLoss()
+    for epoch in range(epochs):
+        train_loader.sampler.set_epoch(epoch)
+        train_one_epoch(model, train_loader, normalize, criterion, optimizer, scheduler, grad_scaler(device, None),
+                        device, None, cfg, epoch)
+    net = de_parallel(model)
+    broadcast_buffers(net)
+    metrics = evaluate(net, val_loader, normalize, 3, device)
+    momentum = [optimizer.state[p]["momentum_buffer"].flatten() for p in net.parameters()]
+    report = {"weights": torch.cat([t.flatten() for t in net.state_dict().values()]).double().tolist(),
+              "momentum": torch.cat(momentum).tolist(), "lr": optimizer.param_groups[0]["lr"],
+              "train_share": list(train_loader.sampler), "metrics": metrics}
+    # Reference: every rank evaluates the whole val set without the sampler (summed over ranks, the means are
+    # unchanged; the count is WORLD_SIZE times the set).
+    reference = evaluate(net, DataLoader(val_set, batch_size=5), normalize, 3, device)
+    reports = [None] * WORLD_SIZE
+    dist.all_gather_object(reports, report)
+    if RANK == 0:
+        Path(out).write_text(json.dumps({"ranks": reports, "reference": reference}))
+    cleanup_distributed()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], *map(int, sys.argv[2:]))

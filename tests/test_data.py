@@ -1,0 +1,88 @@
+"""Datasets: the embedded digits ImageFolder, user ImageFolders, and their errors."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from data.datasets import DatasetError, build_datasets, dataset_root, split_dir, write_digits
+from data.transforms import normalizer, train_transforms, val_transforms
+from utils.config import DataConfig
+
+
+def count_files(folder):
+    return {d.name: len(list(d.iterdir())) for d in sorted(Path(folder).iterdir())}
+
+
+def test_digits_written_as_stratified_80_20_imagefolder(tmp_path):
+    write_digits(tmp_path / "digits")
+    train, val = count_files(tmp_path / "digits" / "train"), count_files(tmp_path / "digits" / "val")
+    assert sorted(train) == sorted(val) == [str(d) for d in range(10)]
+    assert sum(train.values()) == 1437 and sum(val.values()) == 360  # all 1,797 images, 80/20
+    for digit in train:  # stratified: each class keeps its share within one image
+        assert abs(val[digit] - 0.2 * (train[digit] + val[digit])) <= 1
+    assert not list(tmp_path.glob(".digits.tmp*"))  # the temporary folder was renamed into place
+
+
+def test_digits_split_is_fixed(tmp_path):
+    write_digits(tmp_path / "a")
+    write_digits(tmp_path / "b")
+    files = lambda root: sorted(str(p.relative_to(root)) for p in root.rglob("*.png"))
+    assert files(tmp_path / "a") == files(tmp_path / "b")
+
+
+def test_digits_pixels_are_the_real_images(tmp_path):
+    from sklearn.datasets import load_digits
+    write_digits(tmp_path / "digits")
+    ds = build_datasets(tmp_path / "digits", None, None)[0]
+    image, label = ds[0]
+    index = int(Path(ds.samples[0][0]).stem)
+    expected = torch.tensor(load_digits().images[index] * 255 / 16).round().to(torch.uint8)
+    assert image.size == (8, 8) and label == load_digits().target[index]
+    assert torch.equal(torch.from_numpy(np.asarray(image.convert("L"))), expected)
+
+
+def test_user_folder_with_test_split_and_missing_val_class(image_folder):
+    root = image_folder({"train": {"ant": 3, "bee": 2, "cat": 2}, "test": {"ant": 1, "cat": 2}})
+    train, val = build_datasets(root, None, None)
+    assert train.classes == val.classes == ["ant", "bee", "cat"]
+    assert sorted(val.targets) == [0, 2, 2]  # 'cat' keeps train's index 2 although val has no 'bee'
+
+
+def test_val_class_unknown_to_train_is_an_error(image_folder):
+    root = image_folder({"train": {"ant": 2}, "val": {"ant": 1, "dog": 1}})
+    with pytest.raises(DatasetError, match=r"\['dog'\] have no training images"):
+        build_datasets(root, None, None)
+
+
+def test_missing_dataset_says_nothing_is_downloaded(tmp_path):
+    with pytest.raises(DatasetError, match=r"neither an embedded dataset \(digits\).*nothing is downloaded"):
+        dataset_root(str(tmp_path / "imagenet"))
+
+
+def test_missing_val_folder_is_named(image_folder):
+    root = image_folder({"train": {"ant": 2}})
+    with pytest.raises(DatasetError, match="no val/ or test/ folder"):
+        split_dir(root, "val")
+
+
+def test_empty_class_folder_is_named(image_folder, tmp_path):
+    root = image_folder({"train": {"ant": 2}, "val": {"ant": 1}})
+    (root / "train" / "bee").mkdir()
+    with pytest.raises(DatasetError, match="train"):
+        build_datasets(root, None, None)
+
+
+def test_transforms_give_uint8_of_img_size_and_normalizer_matches_formula(image_folder):
+    cfg = OmegaConf.structured(DataConfig(img_size=10, scale=[0.5, 1.0], mean=[0.5, 0.4, 0.3], std=[0.2, 0.2, 0.25]))
+    root = image_folder({"train": {"a": 1}, "val": {"a": 1}}, size=16)
+    train, val = build_datasets(root, train_transforms(cfg), val_transforms(cfg))
+    for image, _ in (train[0], val[0]):
+        assert image.dtype == torch.uint8 and image.shape == (3, 10, 10)
+    batch = val[0][0][None]
+    out = normalizer(cfg, torch.device("cpu"))(batch)
+    expected = (batch.float() / 255 - torch.tensor([0.5, 0.4, 0.3]).view(1, 3, 1, 1)) / torch.tensor(
+        [0.2, 0.2, 0.25]).view(1, 3, 1, 1)
+    assert torch.allclose(out, expected, atol=1e-6)

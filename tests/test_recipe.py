@@ -1,0 +1,128 @@
+"""Recipes: the schema's defaults, base recipes, overrides, and an error naming key and file for each mistake."""
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from utils.config import RECIPES_DIR, Recipe, RecipeError, load_recipe, recipe_to_yaml
+
+
+def write(path, content):
+    path.write_text(yaml.safe_dump(content) if isinstance(content, dict) else content)
+    return path
+
+
+def test_every_shipped_recipe_loads():
+    for path in RECIPES_DIR.glob("*.yaml"):
+        cfg = load_recipe(str(path))
+        assert cfg.train.epochs >= 1
+
+
+def test_recipe_found_by_name_in_recipes_dir():
+    assert load_recipe("cls.yaml").data.name == "digits"
+
+
+def test_unset_keys_take_schema_defaults(tmp_path):
+    cfg = load_recipe(str(write(tmp_path / "r.yaml", {"optim": {"lr": 0.05}})))
+    assert cfg.optim.lr == 0.05
+    assert cfg.optim.momentum == Recipe().optim.momentum
+    assert cfg.project == "runs/train" and cfg.name == "exp"
+
+
+def test_overrides_apply_after_recipe_with_types():
+    cfg = load_recipe("cls.yaml", ["optim.lr=0.05", "train.epochs=3", "data.scale=[0.5,1.0]"])
+    assert cfg.optim.lr == 0.05 and cfg.train.epochs == 3 and list(cfg.data.scale) == [0.5, 1.0]
+    assert isinstance(cfg.train.epochs, int)
+
+
+def test_loaded_recipe_is_read_only():
+    cfg = load_recipe("cls.yaml")
+    with pytest.raises(Exception):
+        cfg.optim.lr = 1.0
+
+
+def test_unknown_key_in_file_names_key_suggestion_and_file(tmp_path):
+    path = write(tmp_path / "bad.yaml", {"optim": {"lrr": 0.1}})
+    with pytest.raises(RecipeError) as e:
+        load_recipe(str(path))
+    assert "optim.lrr" in str(e.value) and "did you mean 'optim.lr'" in str(e.value) and str(path) in str(e.value)
+
+
+def test_unknown_override_names_key_and_command_line():
+    with pytest.raises(RecipeError, match=r"command line: unknown key 'optim.lrr' \(did you mean 'optim.lr'\?\)"):
+        load_recipe("cls.yaml", ["optim.lrr=0.1"])
+
+
+def test_unknown_section_is_rejected(tmp_path):
+    with pytest.raises(RecipeError, match="unknown key 'optimizer'"):
+        load_recipe(str(write(tmp_path / "r.yaml", {"optimizer": {"lr": 0.1}})))
+
+
+def test_wrong_type_names_key_and_file(tmp_path):
+    path = write(tmp_path / "r.yaml", {"train": {"epochs": "ten"}})
+    with pytest.raises(RecipeError) as e:
+        load_recipe(str(path))
+    assert "train.epochs" in str(e.value) and str(path) in str(e.value) and "'ten'" in str(e.value)
+
+
+def test_section_given_a_scalar_is_rejected(tmp_path):
+    with pytest.raises(RecipeError, match="r.yaml"):
+        load_recipe(str(write(tmp_path / "r.yaml", {"optim": 3})))
+
+
+def test_bad_values_name_the_key():
+    cases = {"optim.name=sgdd": "optim.name", "train.precision=fp8": "train.precision", "device=tpu": "device",
+             "model.name=resnet19": "closest: 'resnet18'", "data.scale=[0.5]": "data.scale",
+             "train.epochs=0": "train.epochs", "data.hflip=1.5": "data.hflip"}
+    for override, message in cases.items():
+        with pytest.raises(RecipeError, match=message.replace("(", r"\(")):
+            load_recipe("cls.yaml", [override])
+
+
+def test_malformed_override():
+    with pytest.raises(RecipeError, match="key=value"):
+        load_recipe("cls.yaml", ["optim.lr"])
+
+
+def test_missing_recipe_lists_available():
+    with pytest.raises(RecipeError, match="not found.*cls.yaml"):
+        load_recipe("nope.yaml")
+
+
+def test_invalid_yaml_names_file(tmp_path):
+    path = write(tmp_path / "r.yaml", "optim: {lr: [\n")
+    with pytest.raises(RecipeError, match="invalid YAML"):
+        load_recipe(str(path))
+
+
+def test_base_recipe_is_merged_under_the_child(tmp_path):
+    write(tmp_path / "parent.yaml", {"optim": {"lr": 0.3, "name": "adamw"}, "train": {"epochs": 7}})
+    child = write(tmp_path / "child.yaml", {"base": "parent.yaml", "optim": {"lr": 0.01}})
+    cfg = load_recipe(str(child))
+    assert cfg.optim.lr == 0.01 and cfg.optim.name == "adamw" and cfg.train.epochs == 7
+    assert "base" not in recipe_to_yaml(cfg)
+
+
+def test_base_from_recipes_dir(tmp_path):
+    cfg = load_recipe(str(write(tmp_path / "c.yaml", {"base": "cls.yaml", "train": {"epochs": 2}})))
+    assert cfg.data.name == "digits" and cfg.train.epochs == 2
+
+
+def test_error_in_base_names_base_file(tmp_path):
+    write(tmp_path / "parent.yaml", {"optim": {"lrr": 0.3}})
+    child = write(tmp_path / "child.yaml", {"base": "parent.yaml"})
+    with pytest.raises(RecipeError, match="parent.yaml: unknown key 'optim.lrr'"):
+        load_recipe(str(child))
+
+
+def test_base_cycle_is_an_error(tmp_path):
+    write(tmp_path / "a.yaml", {"base": "b.yaml"})
+    write(tmp_path / "b.yaml", {"base": "a.yaml"})
+    with pytest.raises(RecipeError, match="cycle"):
+        load_recipe(str(tmp_path / "a.yaml"))
+
+
+def test_resolved_yaml_round_trips():
+    cfg = load_recipe("cls.yaml", ["optim.lr=0.02"])
+    again = OmegaConf.merge(OmegaConf.structured(Recipe), OmegaConf.create(recipe_to_yaml(cfg)))
+    assert again == cfg

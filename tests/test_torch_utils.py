@@ -1,0 +1,88 @@
+"""Process set-up: device choice, backend, threads, seeds, DDP version checks, mixed precision, run dirs."""
+
+import pytest
+import torch
+
+import utils.torch_utils as tu
+from utils.general import increment_path
+
+
+def test_auto_device_is_cpu_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tu.select_device("auto") == torch.device("cpu")
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        tu.select_device("cuda")
+
+
+def test_cuda_device_follows_local_rank(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert tu.select_device("auto", local_rank=3) == torch.device("cuda", 3)
+    assert tu.select_device("cpu", local_rank=3) == torch.device("cpu")
+    with pytest.raises(RuntimeError, match="LOCAL_RANK 4 needs GPU 4, but only 4"):
+        tu.select_device("cuda", local_rank=4)
+
+
+def test_backend_is_nccl_for_cuda_and_gloo_for_cpu():
+    assert tu.distributed_backend(torch.device("cuda", 0)) == "nccl"
+    assert tu.distributed_backend(torch.device("cpu")) == "gloo"
+
+
+def test_threads_and_workers_never_oversubscribe_cores():
+    before = torch.get_num_threads()
+    try:
+        assert tu.set_threads(4, cores=2, procs_per_machine=2) == (1, 0)  # torchrun, 2 processes on 2 cores
+        assert tu.set_threads(4, cores=2, procs_per_machine=1) == (1, 1)
+        assert tu.set_threads(0, cores=2, procs_per_machine=1) == (2, 0)
+        assert tu.set_threads(2, cores=16, procs_per_machine=2) == (6, 2)
+        assert torch.get_num_threads() == 6
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_init_seeds_repeats_random_streams():
+    tu.init_seeds(5)
+    a = torch.rand(3)
+    tu.init_seeds(5)
+    assert torch.equal(a, torch.rand(3))
+
+
+def test_autocast_dtype_per_precision_and_device():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert tu.autocast_dtype("fp32", cpu) is None
+    assert tu.autocast_dtype("bf16", cpu) is torch.bfloat16
+    with pytest.raises(RuntimeError, match="fp16 needs a CUDA device"):
+        tu.autocast_dtype("fp16", cpu)
+    assert tu.autocast_dtype("fp16", cuda) is torch.float16
+
+
+def test_bf16_autocast_runs_matmuls_in_bf16_on_cpu():
+    cpu = torch.device("cpu")
+    with tu.autocast(cpu, torch.bfloat16):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype is torch.bfloat16
+    with tu.autocast(cpu, None):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype is torch.float32
+
+
+def test_grad_scaler_only_for_fp16():
+    assert not tu.grad_scaler(torch.device("cpu"), None).is_enabled()
+    assert not tu.grad_scaler(torch.device("cpu"), torch.bfloat16).is_enabled()
+    assert tu.grad_scaler(torch.device("cpu"), torch.float16)._enabled  # the object asks for scaling
+
+
+def test_smart_ddp_refuses_torch_1_12_0(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "1.12.0+cu113")
+    with pytest.raises(RuntimeError, match="1.12.0 .*issues/8395"):
+        tu.smart_DDP(torch.nn.Linear(2, 2), torch.device("cpu"))
+
+
+def test_de_parallel_returns_plain_module():
+    model = torch.nn.Linear(2, 2)
+    assert tu.de_parallel(model) is model
+
+
+def test_increment_path_claims_next_free_dir(tmp_path):
+    assert increment_path(tmp_path / "exp", mkdir=True) == tmp_path / "exp"
+    assert increment_path(tmp_path / "exp", mkdir=True) == tmp_path / "exp2"
+    assert increment_path(tmp_path / "exp", mkdir=True) == tmp_path / "exp3"
+    assert increment_path(tmp_path / "exp") == tmp_path / "exp4" and not (tmp_path / "exp4").exists()

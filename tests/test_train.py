@@ -1,0 +1,123 @@
+"""train.py end to end: real runs on digits and tiny folders, their outputs, and failures before any work."""
+
+import csv
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import run_python, run_torchrun
+from data.datasets import build_dataloader, build_datasets, dataset_root
+from data.transforms import normalizer, val_transforms
+from models import build_model
+from utils.checkpoint import load_checkpoint
+from utils.config import load_recipe
+from utils.loggers import COLUMNS
+from utils.metrics import evaluate
+
+
+def read_results(run_dir):
+    with open(run_dir / "results.csv") as f:
+        rows = list(csv.reader(f))
+    return rows[0], [dict(zip(rows[0], row)) for row in rows[1:]]
+
+
+def evaluate_checkpoint(path):
+    """Single-process top-1 of a checkpoint on the validation set named by its own recipe."""
+    ckpt = load_checkpoint(path)
+    cfg = load_recipe("cls.yaml", [f"{k}={v}" for k, v in ckpt["recipe"]["data"].items() if k == "name"])
+    model = build_model(cfg.model, len(ckpt["classes"]))
+    model.load_state_dict(ckpt["model"])
+    _, val_set = build_datasets(dataset_root(cfg.data.name), None, val_transforms(cfg.data))
+    loader = build_dataloader(val_set, 64, False, 0, 0, torch.device("cpu"))
+    return evaluate(model, loader, normalizer(cfg.data, torch.device("cpu")), len(ckpt["classes"]),
+                    torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def digits_run(tmp_path_factory):
+    """The README's first command: two processes under torchrun train the cls.yaml recipe on digits."""
+    project = tmp_path_factory.mktemp("runs")
+    result = run_torchrun("train.py", "--recipe", "cls.yaml", f"project={project}")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return project, result
+
+
+def test_torchrun_two_processes_reach_99_percent_on_digits(digits_run):
+    project, result = digits_run
+    header, rows = read_results(project / "exp")
+    epochs = load_recipe("cls.yaml").train.epochs
+    assert header == COLUMNS
+    assert [int(r["epoch"]) for r in rows] == list(range(1, epochs + 1))
+    assert float(rows[-1]["val/top1"]) >= 0.99
+    assert all(float(r["train/img_s"]) > 0 and float(r["epoch_time"]) > 0 for r in rows)
+    assert "Results saved to" in result.stdout and "tensorboard --logdir" in result.stdout
+
+
+def test_only_rank_0_writes_one_run_dir(digits_run):
+    project, result = digits_run
+    assert [p.name for p in project.iterdir()] == ["exp"]
+    assert len(list((project / "exp").glob("events.out.tfevents.*"))) == 1
+    assert result.stdout.count("Results saved to") == 1
+
+
+def test_run_saves_resolved_recipe(digits_run):
+    project, _ = digits_run
+    saved = load_recipe(str(project / "exp" / "recipe.yaml"))
+    assert saved == load_recipe("cls.yaml", [f"project={project}"])
+
+
+def test_checkpoints_load_weights_only_and_hold_the_evaluated_model(digits_run):
+    project, _ = digits_run
+    _, rows = read_results(project / "exp")
+    best_top1 = max(float(r["val/top1"]) for r in rows)
+    last = load_checkpoint(project / "exp" / "weights" / "last.pt")
+    best = load_checkpoint(project / "exp" / "weights" / "best.pt")
+    assert last["epoch"] == len(rows) and last["classes"] == [str(d) for d in range(10)]
+    assert {"model", "optimizer", "scheduler", "scaler", "recipe"} <= set(last)
+    assert abs(best["best_top1"] - best_top1) < 1e-6
+    # Re-evaluating best.pt alone counts exactly what the two ranks counted together during training.
+    assert evaluate_checkpoint(project / "exp" / "weights" / "best.pt")["val/top1"] == best["best_top1"]
+    assert not list((project / "exp" / "weights").glob("*.tmp"))
+
+
+def test_tensorboard_has_epoch_scalars_and_an_image_grid(digits_run):
+    project, _ = digits_run
+    events = EventAccumulator(str(project / "exp")).Reload()
+    _, rows = read_results(project / "exp")
+    assert [e.step for e in events.Scalars("val/top1")] == list(range(1, len(rows) + 1))
+    assert set(COLUMNS[1:]) <= set(events.Tags()["scalars"])
+    assert events.Tags()["images"] == ["train/batch"]
+
+
+def test_single_process_on_user_folder_with_few_classes(image_folder, tmp_path):
+    root = image_folder({"train": {"ant": 6, "bee": 5, "cat": 5}, "test": {"ant": 2, "bee": 3, "cat": 2}})
+    result = run_python("train.py", "--recipe", "cls.yaml", f"data.name={root}", "train.epochs=2",
+                        "train.batch_size=4", "model.width=4", f"project={tmp_path / 'runs'}", "name=tiny")
+    assert result.returncode == 0, result.stderr[-3000:]
+    header, rows = read_results(tmp_path / "runs" / "tiny")
+    assert len(rows) == 2 and all(r["val/top5"] == "" for r in rows)  # top-5 needs 5 classes
+    assert "1 process(es)" in result.stdout and "16 train / 7 val images, 3 classes" in result.stdout
+    assert load_checkpoint(tmp_path / "runs" / "tiny" / "weights" / "last.pt")["classes"] == ["ant", "bee", "cat"]
+
+
+def test_unknown_key_exits_before_any_work(tmp_path):
+    result = run_python("train.py", "--recipe", "cls.yaml", "optim.lrr=0.1", f"project={tmp_path / 'runs'}")
+    assert result.returncode == 2
+    assert "unknown key 'optim.lrr' (did you mean 'optim.lr'?)" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_unknown_key_under_torchrun_fails_on_every_rank_and_says_it_once(tmp_path):
+    result = run_torchrun("train.py", "--recipe", "cls.yaml", "optim.lrr=0.1", f"project={tmp_path / 'runs'}")
+    assert result.returncode != 0
+    assert result.stderr.count("unknown key 'optim.lrr'") == 1
+    assert not (tmp_path / "runs").exists()
+
+
+def test_missing_dataset_exits_with_a_clear_error(tmp_path):
+    result = run_python("train.py", "--recipe", "cls.yaml", f"data.name={tmp_path / 'nope'}",
+                        f"project={tmp_path / 'runs'}")
+    assert result.returncode == 2
+    assert "is neither an embedded dataset (digits) nor a directory" in result.stderr

@@ -1,0 +1,207 @@
+"""The recipe schema (every key, its type, default and meaning) and the loader that validates recipes against it."""
+
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from utils.general import ROOT
+
+RECIPES_DIR = ROOT / "recipes"
+IMAGENET_MEAN = [0.485, 0.456, 0.406]
+IMAGENET_STD = [0.229, 0.224, 0.225]
+
+
+@dataclass
+class ModelConfig:
+    name: str = "resnet18"  # 'convnet' (small VGG-style net for low-resolution images) or a torchvision.models name
+    width: int = 32  # convnet: channels of the first stage, doubled at each following stage
+    depth: int = 3  # convnet: number of stages (two 3x3 convs each); a 2x max-pool sits between stages
+    dropout: float = 0.0  # convnet: dropout before the classifier
+
+
+@dataclass
+class DataConfig:
+    name: str = "digits"  # embedded dataset ('digits') or path to an ImageFolder root with train/ and val/ (or test/)
+    img_size: int = 224  # side of the square images the model sees, in pixels
+    scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # train RandomResizedCrop area range
+    hflip: float = 0.5  # train horizontal flip probability (0 for digits and text)
+    crop_pct: float = 0.875  # val: resize to img_size / crop_pct, then centre-crop img_size
+    mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))  # per-channel normalisation mean (RGB)
+    std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))  # per-channel normalisation std (RGB)
+    workers: int = 4  # DataLoader workers per process; lowered (with a warning) so workers + threads fit the cores
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 10  # passes over the training set
+    batch_size: int = 64  # global batch over all processes; each process takes batch_size / WORLD_SIZE
+    label_smoothing: float = 0.0  # cross-entropy label smoothing
+    precision: str = "fp32"  # fp32, bf16 (autocast: GPUs, CPUs with AMX or AVX512-BF16) or fp16 (autocast + GradScaler; CUDA)
+    deterministic: bool = True  # ask torch for deterministic kernels (reproducible runs; may be slower on GPU)
+
+
+@dataclass
+class OptimConfig:
+    name: str = "sgd"  # sgd or adamw
+    lr: float = 0.1  # peak learning rate, for the global batch, reached at the end of warmup
+    momentum: float = 0.9  # sgd momentum; adamw beta1
+    nesterov: bool = True  # sgd: Nesterov momentum
+    weight_decay: float = 5e-5  # decoupled for adamw; applied to weights only, not to biases or norm layers
+    clip_grad_norm: float = 0.0  # clip the global gradient norm to this value; 0 disables
+
+
+@dataclass
+class SchedConfig:
+    warmup_epochs: float = 1.0  # linear warmup length, in epochs (fractions allowed); stepped per iteration
+    warmup_factor: float = 0.1  # warmup starts at lr * warmup_factor
+    min_lr_factor: float = 0.01  # cosine decay ends at lr * min_lr_factor
+
+
+@dataclass
+class Recipe:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sched: SchedConfig = field(default_factory=SchedConfig)
+    device: str = "auto"  # auto (CUDA when present), cpu or cuda; under torchrun LOCAL_RANK picks the GPU
+    seed: int = 0  # seeds model init, data order and augmentation
+    project: str = "runs/train"  # runs are saved to project/name
+    name: str = "exp"  # run name, incremented (exp, exp2, ...) when taken
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used, with a message naming the key and the file."""
+
+
+def find_recipe(recipe, relative_to=None):
+    """Path of a recipe given as a path, else as a name inside relative_to or recipes/."""
+    candidates = [Path(recipe)]
+    if relative_to is not None:
+        candidates.append(Path(relative_to) / recipe)
+    candidates.append(RECIPES_DIR / recipe)
+    for path in candidates:
+        if path.is_file():
+            return path
+    available = ", ".join(sorted(p.name for p in RECIPES_DIR.glob("*.yaml")))
+    raise RecipeError(f"recipe '{recipe}' not found as a path or in {RECIPES_DIR} (available: {available})")
+
+
+def read_yaml(path):
+    """Parse a recipe file into a dict, with errors that name the file."""
+    try:
+        content = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: invalid YAML: {e}") from None
+    if not isinstance(content, dict):
+        raise RecipeError(f"{path}: a recipe must be a mapping of keys to values, got {type(content).__name__}")
+    return content
+
+
+def recipe_layers(path, seen=()):
+    """(source, dict) pairs from the deepest base recipe to this one, following each 'base:' key."""
+    path = Path(path).resolve()
+    if path in seen:
+        raise RecipeError(f"{path}: base recipes form a cycle: {' -> '.join(str(p) for p in (*seen, path))}")
+    content = read_yaml(path)
+    base = content.pop("base", None)
+    layers = []
+    if base is not None:
+        if not isinstance(base, str):
+            raise RecipeError(f"{path}: base must be a recipe name or path, got {base!r}")
+        layers = recipe_layers(find_recipe(base, relative_to=path.parent), (*seen, path))
+    return [*layers, (str(path), content)]
+
+
+def merge_layer(cfg, layer, source):
+    """Merge one layer onto the typed config, turning OmegaConf errors into messages that name key and source."""
+    try:
+        return OmegaConf.merge(cfg, layer)
+    except ConfigKeyError as e:
+        raise RecipeError(f"{source}: unknown key '{e.full_key}'{suggest(e)}") from None
+    except OmegaConfBaseException as e:
+        key = f"'{e.full_key}': " if getattr(e, "full_key", None) else ""
+        raise RecipeError(f"{source}: {key}{str(e).splitlines()[0]}") from None
+
+
+def suggest(error):
+    """' (did you mean 'optim.lr'?)' for the valid key closest to the unknown one, else ''."""
+    parent = error.parent_node if isinstance(error.parent_node, DictConfig) else None
+    valid = [str(k) for k in parent.keys()] if parent is not None else []
+    match = difflib.get_close_matches(str(error.key), valid, n=1, cutoff=0.5)
+    prefix = error.full_key.rpartition(".")[0]
+    return f" (did you mean '{prefix + '.' if prefix else ''}{match[0]}'?)" if match else ""
+
+
+def parse_overrides(overrides):
+    """OmegaConf dot-list ('optim.lr=0.05') to a config, with a clear error for a malformed pair."""
+    for item in overrides:
+        if "=" not in item or not item.split("=", 1)[0]:
+            raise RecipeError(f"command line: override '{item}' must look like key=value (e.g. optim.lr=0.05)")
+    return OmegaConf.from_dotlist(list(overrides))
+
+
+def load_recipe(recipe, overrides=()):
+    """Load a recipe (with its bases) and key=value overrides onto the schema; validate; return a read-only config."""
+    path = find_recipe(recipe)
+    cfg = OmegaConf.structured(Recipe)
+    for source, layer in recipe_layers(path):
+        cfg = merge_layer(cfg, layer, source)
+    cfg = merge_layer(cfg, parse_overrides(overrides), "command line")
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as e:
+        raise RecipeError(f"{path}: cannot resolve interpolation: {str(e).splitlines()[0]}") from None
+    check_values(cfg, f"{path} (with command-line overrides)" if overrides else str(path))
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def check_values(cfg, source):
+    """Reject values the schema types allow but training can't use, naming the key and the source."""
+    from models import model_names  # here, not at import: models imports torchvision
+
+    def require(ok, key, expected):
+        if not ok:
+            value = OmegaConf.select(cfg, key)
+            raise RecipeError(f"{source}: {key} must be {expected}, got {value!r}")
+
+    require(cfg.model.name in model_names(), "model.name",
+            f"'convnet' or a torchvision classification model{close_to(cfg.model.name, model_names())}")
+    require(cfg.model.width >= 1 and cfg.model.depth >= 1, "model.width", "positive (and so must model.depth)")
+    require(0 <= cfg.model.dropout < 1, "model.dropout", "in [0, 1)")
+    require(cfg.data.img_size >= 1, "data.img_size", "a positive number of pixels")
+    require(len(cfg.data.scale) == 2 and 0 < cfg.data.scale[0] <= cfg.data.scale[1] <= 1, "data.scale",
+            "[min, max] with 0 < min <= max <= 1")
+    require(0 <= cfg.data.hflip <= 1, "data.hflip", "a probability in [0, 1]")
+    require(0 < cfg.data.crop_pct <= 1, "data.crop_pct", "in (0, 1]")
+    require(len(cfg.data.mean) == 3, "data.mean", "three values (R, G, B)")
+    require(len(cfg.data.std) == 3 and all(s > 0 for s in cfg.data.std), "data.std", "three positive values")
+    require(cfg.data.workers >= 0, "data.workers", ">= 0")
+    require(cfg.train.epochs >= 1, "train.epochs", ">= 1")
+    require(cfg.train.batch_size >= 1, "train.batch_size", ">= 1")
+    require(0 <= cfg.train.label_smoothing < 1, "train.label_smoothing", "in [0, 1)")
+    require(cfg.train.precision in ("fp32", "bf16", "fp16"), "train.precision", "one of fp32, bf16, fp16")
+    require(cfg.optim.name in ("sgd", "adamw"), "optim.name", "sgd or adamw")
+    require(cfg.optim.lr > 0, "optim.lr", "> 0")
+    require(cfg.optim.weight_decay >= 0, "optim.weight_decay", ">= 0")
+    require(cfg.optim.clip_grad_norm >= 0, "optim.clip_grad_norm", ">= 0 (0 disables clipping)")
+    require(cfg.sched.warmup_epochs >= 0, "sched.warmup_epochs", ">= 0")
+    require(0 < cfg.sched.warmup_factor <= 1, "sched.warmup_factor", "in (0, 1]")
+    require(0 <= cfg.sched.min_lr_factor <= 1, "sched.min_lr_factor", "in [0, 1]")
+    require(cfg.device in ("auto", "cpu", "cuda"), "device", "auto, cpu or cuda")
+
+
+def close_to(name, valid):
+    """' (closest: x)' for the closest valid name, else ''."""
+    match = difflib.get_close_matches(name, valid, n=1)
+    return f" (closest: '{match[0]}')" if match else ""
+
+
+def recipe_to_yaml(cfg):
+    """The resolved recipe as YAML text, as saved with each run."""
+    return OmegaConf.to_yaml(cfg, resolve=True)

@@ -1,0 +1,60 @@
+"""General helpers shared by every script: paths, logging, run directories."""
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]  # repository root
+RANK = int(os.getenv("RANK", 0))  # global rank, as torchrun sets it; 0 when run as one process
+
+
+def set_logging(name="cls"):
+    """Return a logger that prints plain messages on rank 0 and only warnings elsewhere."""
+    logger = logging.getLogger(name)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(logging.INFO if RANK == 0 else logging.WARNING)
+    return logger
+
+
+LOGGER = set_logging()
+
+
+def colorstr(*args):
+    """Colour a string for the terminal: colorstr('blue', 'bold', 'text'); plain when stdout is not a TTY."""
+    *styles, text = args if len(args) > 1 else ("blue", "bold", args[0])
+    if not sys.stdout.isatty():
+        return text
+    codes = {"black": 30, "red": 31, "green": 32, "yellow": 33, "blue": 34, "magenta": 35, "cyan": 36,
+             "white": 37, "bold": 1, "underline": 4}
+    return "".join(f"\033[{codes[s]}m" for s in styles) + text + "\033[0m"
+
+
+def increment_path(path, mkdir=False):
+    """First free one of path, path2, path3, ... (runs/train/exp -> runs/train/exp2); mkdir=True also claims it,
+    so two runs started at once never share a directory."""
+    path, n = Path(path), 1
+    while True:
+        candidate = path if n == 1 else Path(f"{path}{n}")
+        n += 1
+        if candidate.exists():
+            continue
+        if not mkdir:
+            return candidate
+        try:
+            candidate.mkdir(parents=True)
+            return candidate
+        except FileExistsError:  # another run claimed it between our check and mkdir
+            continue
+
+
+def cpu_count():
+    """Number of cores this process may run on (respects taskset and container CPU sets)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS and Windows
+        return os.cpu_count() or 1

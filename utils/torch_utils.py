@@ -1,0 +1,171 @@
+"""Process set-up for training: ranks, device, threads, seeds, DDP and mixed precision."""
+
+import os
+import random
+from contextlib import contextmanager, nullcontext
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from utils.general import LOGGER, cpu_count
+
+# Set by torchrun; absent means one process.
+LOCAL_RANK = int(os.getenv("LOCAL_RANK", 0))
+RANK = int(os.getenv("RANK", 0))
+WORLD_SIZE = int(os.getenv("WORLD_SIZE", 1))
+LOCAL_WORLD_SIZE = int(os.getenv("LOCAL_WORLD_SIZE", 1))  # processes on this machine
+
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def select_device(device="auto", local_rank=LOCAL_RANK):
+    """Return the torch.device for this process: 'auto' picks CUDA when present; a GPU is chosen by LOCAL_RANK."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device={device!r} but CUDA is not available here; use device=cpu or device=auto")
+    if local_rank >= torch.cuda.device_count():
+        raise RuntimeError(f"LOCAL_RANK {local_rank} needs GPU {local_rank}, but only "
+                           f"{torch.cuda.device_count()} GPU(s) are visible; lower --nproc_per_node")
+    return torch.device("cuda", local_rank)
+
+
+def distributed_backend(device):
+    """nccl for CUDA devices, gloo otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def setup_distributed(device):
+    """Join the process group that torchrun describes in the environment; nothing to do for one process."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before any collective, so nccl uses this rank's GPU
+    if WORLD_SIZE > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=distributed_backend(device))
+
+
+def cleanup_distributed():
+    """Leave the process group, if any."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def set_threads(requested_workers, cores=None, procs_per_machine=LOCAL_WORLD_SIZE):
+    """Split this machine's cores between the processes on it; return (compute threads, DataLoader workers).
+
+    Each process gets cores // procs_per_machine cores: its workers take at most all but one of them and its
+    compute threads the rest, so workers and threads never oversubscribe the machine.
+    """
+    cores = cores or cpu_count()
+    per_process = max(1, cores // procs_per_machine)
+    workers = min(requested_workers, per_process - 1)
+    if workers < requested_workers:
+        LOGGER.warning(f"data.workers={requested_workers} lowered to {workers}: {cores} cores shared by "
+                       f"{procs_per_machine} process(es) leave {per_process} per process, one of them for compute")
+    threads = max(1, per_process - workers)
+    torch.set_num_threads(threads)
+    return threads, workers
+
+
+def init_seeds(seed=0, deterministic=False):
+    """Seed python, numpy and torch; optionally ask torch for deterministic kernels."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    torch.backends.cudnn.benchmark = not deterministic  # benchmark picks the fastest, not the same, kernels
+    if deterministic:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # required by deterministic cuBLAS
+        # warn_only: some CUDA kernels (e.g. adaptive pooling backward) have no deterministic version
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def smart_DDP(model, device):
+    """Wrap model in DistributedDataParallel behind version checks."""
+    if torch.__version__.startswith("1.12.0"):
+        raise RuntimeError("torch==1.12.0 DDP training is not supported due to a known issue; upgrade or "
+                           "downgrade torch. See https://github.com/ultralytics/yolov5/issues/8395")
+    device_ids = [device.index] if device.type == "cuda" else None  # device_ids must be None for CPU modules
+    # static_graph (torch>=1.11) lets DDP overlap and reuse its communication plan; our models use every
+    # parameter in every step, which is what it requires.
+    static = {"static_graph": True} if torch.__version__ >= "1.11" else {}
+    return DDP(model, device_ids=device_ids, output_device=device_ids and device_ids[0], **static)
+
+
+def de_parallel(model):
+    """Return the plain module inside a DDP wrapper (or the model itself)."""
+    return model.module if isinstance(model, DDP) else model
+
+
+def join_uneven_inputs(model):
+    """Context that lets DDP ranks run different numbers of steps (no sample is padded or dropped)."""
+    return model.join() if isinstance(model, DDP) else nullcontext()
+
+
+@contextmanager
+def torch_distributed_zero_first(local_rank=LOCAL_RANK):
+    """Let local rank 0 run the block (e.g. prepare a dataset) while the other local ranks wait for it."""
+    distributed = dist.is_initialized()
+    if distributed and local_rank != 0:
+        dist.barrier()
+    yield
+    if distributed and local_rank == 0:
+        dist.barrier()
+
+
+def broadcast_object(obj, src=0):
+    """Return rank src's obj on every rank (a no-op for one process)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_reduce_sum(tensor):
+    """Sum a tensor over all ranks in place and return it (a no-op for one process)."""
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def broadcast_buffers(model, src=0):
+    """Copy rank src's buffers (BatchNorm running statistics) to every rank, so all ranks hold one model."""
+    if dist.is_initialized():
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=src)
+
+
+def broadcast_optimizer_state(optimizer, src=0):
+    """Copy rank src's optimizer state (momentum, step counts) to every rank."""
+    if not dist.is_initialized():
+        return
+    device = optimizer.param_groups[0]["params"][0].device  # nccl moves only GPU tensors; gloo any
+    for state in optimizer.state.values():
+        for name, value in state.items():
+            if torch.is_tensor(value):
+                moved = value.to(device)
+                dist.broadcast(moved, src=src)
+                value.copy_(moved)
+
+
+def autocast_dtype(precision, device):
+    """Autocast dtype for a recipe precision ('fp32' -> None), refusing combinations the device can't run."""
+    dtype = AUTOCAST_DTYPES[precision]
+    if dtype is torch.float16 and device.type != "cuda":
+        raise RuntimeError("train.precision=fp16 needs a CUDA device; use bf16 on CPU")
+    if dtype is torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise RuntimeError("train.precision=bf16 is not supported by this GPU; use fp16")
+    return dtype
+
+
+def autocast(device, dtype):
+    """Autocast context for dtype; disabled (fp32) when dtype is None."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def grad_scaler(device, dtype):
+    """GradScaler that is active only for fp16, the one dtype whose gradients underflow."""
+    return torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
