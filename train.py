@@ -15,13 +15,13 @@ from omegaconf import OmegaConf
 from torch import nn
 from tqdm import tqdm
 
-from data.datasets import DatasetError, build_dataloader, build_datasets, dataset_root, per_rank_batch
+from data.datasets import build_dataloader, build_datasets, dataset_root, per_rank_batch
 from data.sampler import epoch_steps
 from data.transforms import normalizer, train_transforms, val_transforms
 from models import build_model
 from utils.checkpoint import save_checkpoint
 from utils.config import RecipeError, load_recipe, recipe_to_yaml
-from utils.general import LOGGER, colorstr, increment_path
+from utils.general import LOGGER, UsageError, colorstr, increment_path
 from utils.loggers import RunLogger, epoch_summary
 from utils.metrics import evaluate
 from utils.optim import build_optimizer, build_scheduler
@@ -51,7 +51,7 @@ def main(argv=None):
             return train(cfg, device, dtype)
         finally:
             cleanup_distributed()
-    except (RecipeError, DatasetError) as e:
+    except UsageError as e:
         if RANK == 0 or not isinstance(e, RecipeError):  # a recipe error is the same on every rank: say it once
             print(f"{'' if WORLD_SIZE == 1 else f'[rank {RANK}] '}train.py: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -11,13 +11,13 @@ from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
 
 from data.sampler import DistributedShuffleSampler
-from utils.general import ROOT
+from utils.general import ROOT, UsageError
 from utils.torch_utils import LOCAL_RANK, RANK, WORLD_SIZE, torch_distributed_zero_first
 
 DATASETS_DIR = ROOT / "datasets"
 
 
-class DatasetError(ValueError):
+class DatasetError(UsageError):
     """A dataset that cannot be used, with a message naming the path and what is wrong."""
 
 

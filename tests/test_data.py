@@ -41,7 +41,7 @@ def test_digits_pixels_are_the_real_images(tmp_path):
     index = int(Path(ds.samples[0][0]).stem)
     expected = torch.tensor(load_digits().images[index] * 255 / 16).round().to(torch.uint8)
     assert image.size == (8, 8) and label == load_digits().target[index]
-    assert torch.equal(torch.from_numpy(np.asarray(image.convert("L"))), expected)
+    assert torch.equal(torch.from_numpy(np.array(image.convert("L"))), expected)
 
 
 def test_user_folder_with_test_split_and_missing_val_class(image_folder):

@@ -4,13 +4,13 @@ import pytest
 import torch
 
 import utils.torch_utils as tu
-from utils.general import increment_path
+from utils.general import UsageError, increment_path
 
 
 def test_auto_device_is_cpu_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert tu.select_device("auto") == torch.device("cpu")
-    with pytest.raises(RuntimeError, match="CUDA is not available"):
+    with pytest.raises(UsageError, match="CUDA is not available"):
         tu.select_device("cuda")
 
 
@@ -19,7 +19,7 @@ def test_cuda_device_follows_local_rank(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert tu.select_device("auto", local_rank=3) == torch.device("cuda", 3)
     assert tu.select_device("cpu", local_rank=3) == torch.device("cpu")
-    with pytest.raises(RuntimeError, match="LOCAL_RANK 4 needs GPU 4, but only 4"):
+    with pytest.raises(UsageError, match="LOCAL_RANK 4 needs GPU 4, but only 4"):
         tu.select_device("cuda", local_rank=4)
 
 
@@ -51,7 +51,7 @@ def test_autocast_dtype_per_precision_and_device():
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert tu.autocast_dtype("fp32", cpu) is None
     assert tu.autocast_dtype("bf16", cpu) is torch.bfloat16
-    with pytest.raises(RuntimeError, match="fp16 needs a CUDA device"):
+    with pytest.raises(UsageError, match="fp16 needs a CUDA device"):
         tu.autocast_dtype("fp16", cpu)
     assert tu.autocast_dtype("fp16", cuda) is torch.float16
 

@@ -8,7 +8,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from utils.general import ROOT
+from utils.general import ROOT, UsageError
 
 RECIPES_DIR = ROOT / "recipes"
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
@@ -74,7 +74,7 @@ class Recipe:
     name: str = "exp"  # run name, incremented (exp, exp2, ...) when taken
 
 
-class RecipeError(ValueError):
+class RecipeError(UsageError):
     """A recipe that cannot be used, with a message naming the key and the file."""
 
 

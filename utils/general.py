@@ -24,6 +24,10 @@ def set_logging(name="cls"):
 LOGGER = set_logging()
 
 
+class UsageError(ValueError):
+    """Bad input (recipe, data, device): reported as one line naming what is wrong, exit code 2."""
+
+
 def colorstr(*args):
     """Colour a string for the terminal: colorstr('blue', 'bold', 'text'); plain when stdout is not a TTY."""
     *styles, text = args if len(args) > 1 else ("blue", "bold", args[0])

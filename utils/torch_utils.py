@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from utils.general import LOGGER, cpu_count
+from utils.general import LOGGER, UsageError, cpu_count
 
 # Set by torchrun; absent means one process.
 LOCAL_RANK = int(os.getenv("LOCAL_RANK", 0))
@@ -27,9 +27,9 @@ def select_device(device="auto", local_rank=LOCAL_RANK):
     if device == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RuntimeError(f"device={device!r} but CUDA is not available here; use device=cpu or device=auto")
+        raise UsageError(f"device={device!r} but CUDA is not available here; use device=cpu or device=auto")
     if local_rank >= torch.cuda.device_count():
-        raise RuntimeError(f"LOCAL_RANK {local_rank} needs GPU {local_rank}, but only "
+        raise UsageError(f"LOCAL_RANK {local_rank} needs GPU {local_rank}, but only "
                            f"{torch.cuda.device_count()} GPU(s) are visible; lower --nproc_per_node")
     return torch.device("cuda", local_rank)
 
@@ -155,9 +155,9 @@ def autocast_dtype(precision, device):
     """Autocast dtype for a recipe precision ('fp32' -> None), refusing combinations the device can't run."""
     dtype = AUTOCAST_DTYPES[precision]
     if dtype is torch.float16 and device.type != "cuda":
-        raise RuntimeError("train.precision=fp16 needs a CUDA device; use bf16 on CPU")
+        raise UsageError("train.precision=fp16 needs a CUDA device; use bf16 on CPU")
     if dtype is torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise RuntimeError("train.precision=bf16 is not supported by this GPU; use fp16")
+        raise UsageError("train.precision=bf16 is not supported by this GPU; use fp16")
     return dtype
 
 
