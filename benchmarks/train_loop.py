@@ -64,19 +64,22 @@ def main():
     scheduler = build_scheduler(optimizer, cfg.sched, args.rounds + 1, len(loader))
     scaler = grad_scaler(device, None)
 
+    def run_bare(epoch):
+        return bare_epoch(bare_model, bare_loader, normalize, criterion, bare_optimizer)
+
+    def run_ours(epoch):
+        loader.sampler.set_epoch(epoch)
+        return train_one_epoch(model, loader, normalize, criterion, optimizer, scheduler, scaler, device, None,
+                               cfg, epoch)[1]
+
     rates = {"bare": [], "train.py": []}
     for epoch in range(args.rounds + 1):  # round 0 warms both up and is not counted
-        start = time.perf_counter()
-        images = bare_epoch(bare_model, bare_loader, normalize, criterion, bare_optimizer)
-        bare_rate = images / (time.perf_counter() - start)
-        start = time.perf_counter()
-        loader.sampler.set_epoch(epoch)
-        _, images = train_one_epoch(model, loader, normalize, criterion, optimizer, scheduler, scaler, device, None,
-                                    cfg, epoch)
-        ours_rate = images / (time.perf_counter() - start)
-        if epoch:
-            rates["bare"].append(bare_rate)
-            rates["train.py"].append(ours_rate)
+        sides = [("bare", run_bare), ("train.py", run_ours)]
+        for name, run in sides if epoch % 2 else sides[::-1]:  # alternate which side goes first
+            start = time.perf_counter()
+            images = run(epoch)
+            if epoch:
+                rates[name].append(images / (time.perf_counter() - start))
     bare, ours = statistics.median(rates["bare"]), statistics.median(rates["train.py"])
     print(f"recipe {args.recipe} {' '.join(args.overrides)}: {cfg.model.name}, batch {cfg.train.batch_size}, "
           f"{threads} thread(s), {workers} worker(s), {args.rounds} epochs per side")

@@ -4,6 +4,7 @@ import csv
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import run_python, run_torchrun
@@ -11,7 +12,7 @@ from data.datasets import build_dataloader, build_datasets, dataset_root
 from data.transforms import normalizer, val_transforms
 from models import build_model
 from utils.checkpoint import load_checkpoint
-from utils.config import load_recipe
+from utils.config import Recipe, load_recipe
 from utils.loggers import COLUMNS
 from utils.metrics import evaluate
 
@@ -25,7 +26,7 @@ def read_results(run_dir):
 def evaluate_checkpoint(path):
     """Single-process top-1 of a checkpoint on the validation set named by its own recipe."""
     ckpt = load_checkpoint(path)
-    cfg = load_recipe("cls.yaml", [f"{k}={v}" for k, v in ckpt["recipe"]["data"].items() if k == "name"])
+    cfg = OmegaConf.merge(OmegaConf.structured(Recipe), ckpt["recipe"])
     model = build_model(cfg.model, len(ckpt["classes"]))
     model.load_state_dict(ckpt["model"])
     _, val_set = build_datasets(dataset_root(cfg.data.name), None, val_transforms(cfg.data))
@@ -121,3 +122,20 @@ def test_missing_dataset_exits_with_a_clear_error(tmp_path):
                         f"project={tmp_path / 'runs'}")
     assert result.returncode == 2
     assert "is neither an embedded dataset (digits) nor a directory" in result.stderr
+
+
+def test_single_process_reaches_the_same_accuracy_on_digits(tmp_path):
+    result = run_python("train.py", "--recipe", "cls.yaml", f"project={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, rows = read_results(tmp_path / "exp")
+    assert float(rows[-1]["val/top1"]) >= 0.99
+
+
+def test_bf16_autocast_trains_on_cpu(image_folder, tmp_path):
+    root = image_folder({"train": {"a": 4, "b": 4}, "val": {"a": 2, "b": 2}})
+    result = run_python("train.py", "--recipe", "cls.yaml", f"data.name={root}", "train.epochs=1",
+                        "train.batch_size=4", "model.width=4", "train.precision=bf16", f"project={tmp_path / 'r'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, rows = read_results(tmp_path / "r" / "exp")
+    assert len(rows) == 1 and 0 <= float(rows[0]["val/top1"]) <= 1
+    assert load_checkpoint(tmp_path / "r" / "exp" / "weights" / "last.pt")["recipe"]["train"]["precision"] == "bf16"
