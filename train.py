@@ -15,10 +15,10 @@ from omegaconf import OmegaConf
 from torch import nn
 from tqdm import tqdm
 
-from data.datasets import build_dataloader, build_datasets, dataset_root, per_rank_batch
+from data.datasets import build_dataloader, build_datasets, check_shareable, dataset_root, per_rank_batch, set_epoch
 from data.sampler import epoch_steps
 from data.transforms import normalizer, train_transforms, val_transforms
-from models import build_model
+from models import build_model, check_input_size
 from utils.checkpoint import save_checkpoint
 from utils.config import RecipeError, load_recipe, recipe_to_yaml
 from utils.general import LOGGER, UsageError, colorstr, increment_path
@@ -44,26 +44,28 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         cfg = load_recipe(args.recipe, args.overrides)
+        rank_batch = per_rank_batch(cfg.train.batch_size)
         device = select_device(cfg.device)
         dtype = autocast_dtype(cfg.train.precision, device)
         setup_distributed(device)
         try:
-            return train(cfg, device, dtype)
+            return train(cfg, rank_batch, device, dtype)
         finally:
             cleanup_distributed()
     except UsageError as e:
-        if RANK == 0 or not isinstance(e, RecipeError):  # a recipe error is the same on every rank: say it once
-            print(f"{'' if WORLD_SIZE == 1 else f'[rank {RANK}] '}train.py: error: {e}", file=sys.stderr)
+        everywhere = isinstance(e, RecipeError)  # a recipe error is the same on every rank: say it once
+        if RANK == 0 or not everywhere:
+            print(f"{'' if everywhere or WORLD_SIZE == 1 else f'[rank {RANK}] '}train.py: error: {e}", file=sys.stderr)
         sys.exit(2)
 
 
-def train(cfg, device, dtype):
+def train(cfg, rank_batch, device, dtype):
     """The whole run: data, model, optimizer, then per epoch train, validate, log and save; returns best top-1."""
     threads, workers = set_threads(cfg.data.workers)
-    init_seeds(cfg.seed + RANK, cfg.train.deterministic)  # own augmentation stream per rank; DDP copies rank 0's init
-    rank_batch = per_rank_batch(cfg.train.batch_size)
+    init_seeds(cfg.seed + RANK, cfg.train.deterministic)  # own dropout stream per rank; DDP copies rank 0's init
     train_set, val_set = build_datasets(dataset_root(cfg.data.name), train_transforms(cfg.data),
                                         val_transforms(cfg.data))
+    check_shareable(train_set)
     classes = train_set.classes
     train_loader = build_dataloader(train_set, rank_batch, True, cfg.seed, workers, device)
     val_loader = build_dataloader(val_set, rank_batch, False, cfg.seed, workers, device)
@@ -71,6 +73,7 @@ def train(cfg, device, dtype):
     normalize = normalizer(cfg.data, device)
 
     model = build_model(cfg.model, len(classes)).to(device)
+    check_input_size(model, cfg.model.name, cfg.data.img_size, device)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.sched, cfg.train.epochs, steps)
     scaler = grad_scaler(device, dtype)
@@ -87,7 +90,7 @@ def train(cfg, device, dtype):
     best_top1, best_epoch, start = -1.0, 0, time.time()
     for epoch in range(cfg.train.epochs):
         epoch_start = time.time()
-        train_loader.sampler.set_epoch(epoch)
+        set_epoch(train_loader, epoch)
         show = (lambda images: logger.log_images("train/batch", images[:64] / 255)) if logger and epoch == 0 else None
         train_loss, images_seen = train_one_epoch(model, train_loader, normalize, criterion, optimizer, scheduler,
                                                   scaler, device, dtype, cfg, epoch, show)
@@ -157,9 +160,13 @@ def make_run_dir(cfg):
     """Rank 0 claims project/name (exp, exp2, ...) and saves the resolved recipe there; every rank gets the path."""
     run_dir = None
     if RANK == 0:
-        run_dir = increment_path(Path(cfg.project) / cfg.name, mkdir=True)
-        (run_dir / "weights").mkdir()
-        (run_dir / "recipe.yaml").write_text(recipe_to_yaml(cfg))
+        try:
+            run_dir = increment_path(Path(cfg.project) / cfg.name, mkdir=True)
+            (run_dir / "weights").mkdir()
+            (run_dir / "recipe.yaml").write_text(recipe_to_yaml(cfg))
+        except OSError as e:
+            raise UsageError(f"project={cfg.project!r} name={cfg.name!r}: cannot create the run directory: "
+                             f"{e}") from None
     return Path(broadcast_object(str(run_dir)))
 
 

@@ -1,10 +1,12 @@
 """Training throughput of train.py's epoch loop against a bare PyTorch loop, in one process, alternating.
 
-Both sides train the same model on the same data, transforms and batch size; the bare side is the shortest
-correct loop (DataLoader, normalise, forward, backward, step). Epochs alternate between the sides so a noisy
-machine slows both alike; the ratio of median images/s is what to read, not the absolute numbers.
+Both sides train the same model on the same data, transforms, batch size and precision; the bare side is the
+shortest correct loop (DataLoader, normalise, forward under autocast, backward, step). Epochs alternate between
+the sides so a noisy machine slows both alike; the ratio of median images/s is what to read, not the absolute
+numbers. With train.precision=bf16 (or fp16), train.py's loop is also timed in fp32, for the speed-up.
 
     python benchmarks/train_loop.py [--rounds 5] [key=value ...]
+    python benchmarks/train_loop.py train.precision=bf16 data.img_size=32 model.width=64   # bf16 on a CPU
 """
 
 import argparse
@@ -19,20 +21,21 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.datasets import build_dataloader, build_datasets, dataset_root  # noqa: E402
+from data.datasets import build_dataloader, build_datasets, dataset_root, set_epoch  # noqa: E402
 from data.transforms import normalizer, train_transforms, val_transforms  # noqa: E402
 from models import build_model  # noqa: E402
 from train import train_one_epoch  # noqa: E402
 from utils.config import load_recipe  # noqa: E402
 from utils.optim import build_optimizer, build_scheduler  # noqa: E402
-from utils.torch_utils import grad_scaler, init_seeds, set_threads  # noqa: E402
+from utils.torch_utils import autocast_dtype, grad_scaler, init_seeds, set_threads  # noqa: E402
 
 
-def bare_epoch(model, loader, normalize, criterion, optimizer):
+def bare_epoch(model, loader, normalize, criterion, optimizer, dtype):
     """The reference: the least a correct training epoch does."""
     model.train()
     for images, targets in loader:
-        loss = criterion(model(normalize(images)), targets)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            loss = criterion(model(normalize(images)), targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -47,6 +50,7 @@ def main():
     args = parser.parse_args()
     cfg = load_recipe(args.recipe, args.overrides)
     device = torch.device("cpu")
+    dtype = autocast_dtype(cfg.train.precision, device)
     threads, workers = set_threads(cfg.data.workers)
     init_seeds(cfg.seed)
     train_set, _ = build_datasets(dataset_root(cfg.data.name), train_transforms(cfg.data), val_transforms(cfg.data))
@@ -58,34 +62,43 @@ def main():
     bare_optimizer = build_optimizer(bare_model, cfg.optim)
     bare_loader = DataLoader(train_set, batch_size=cfg.train.batch_size, shuffle=True, num_workers=workers)
 
-    model = build_model(cfg.model, classes)
-    optimizer = build_optimizer(model, cfg.optim)
-    loader = build_dataloader(train_set, cfg.train.batch_size, True, cfg.seed, workers, device)
-    scheduler = build_scheduler(optimizer, cfg.sched, args.rounds + 1, len(loader))
-    scaler = grad_scaler(device, None)
+    def ours(dtype):
+        """train.py's epoch loop on its own model, loader and schedule, at autocast dtype."""
+        model = build_model(cfg.model, classes)
+        optimizer = build_optimizer(model, cfg.optim)
+        loader = build_dataloader(train_set, cfg.train.batch_size, True, cfg.seed, workers, device)
+        scheduler = build_scheduler(optimizer, cfg.sched, args.rounds + 1, len(loader))
+        scaler = grad_scaler(device, dtype)
 
-    def run_bare(epoch):
-        return bare_epoch(bare_model, bare_loader, normalize, criterion, bare_optimizer)
+        def run(epoch):
+            set_epoch(loader, epoch)
+            return train_one_epoch(model, loader, normalize, criterion, optimizer, scheduler, scaler, device, dtype,
+                                   cfg, epoch)[1]
+        return run
 
-    def run_ours(epoch):
-        loader.sampler.set_epoch(epoch)
-        return train_one_epoch(model, loader, normalize, criterion, optimizer, scheduler, scaler, device, None,
-                               cfg, epoch)[1]
-
-    rates = {"bare": [], "train.py": []}
-    for epoch in range(args.rounds + 1):  # round 0 warms both up and is not counted
-        sides = [("bare", run_bare), ("train.py", run_ours)]
-        for name, run in sides if epoch % 2 else sides[::-1]:  # alternate which side goes first
+    sides = {"bare PyTorch loop": lambda epoch: bare_epoch(bare_model, bare_loader, normalize, criterion,
+                                                           bare_optimizer, dtype),
+             "train.py epoch loop": ours(dtype)}
+    if dtype is not None:  # what the recipe's precision buys over fp32
+        sides["train.py in fp32"] = ours(None)
+    rates = {name: [] for name in sides}
+    for epoch in range(args.rounds + 1):  # round 0 warms every side up and is not counted
+        order = list(sides) if epoch % 2 else list(sides)[::-1]  # alternate which side goes first
+        for name in order:
             start = time.perf_counter()
-            images = run(epoch)
+            images = sides[name](epoch)
             if epoch:
                 rates[name].append(images / (time.perf_counter() - start))
-    bare, ours = statistics.median(rates["bare"]), statistics.median(rates["train.py"])
-    print(f"recipe {args.recipe} {' '.join(args.overrides)}: {cfg.model.name}, batch {cfg.train.batch_size}, "
-          f"{threads} thread(s), {workers} worker(s), {args.rounds} epochs per side")
-    print(f"bare PyTorch loop   {bare:8.0f} img/s (median)")
-    print(f"train.py epoch loop {ours:8.0f} img/s (median)")
-    print(f"ratio train.py / bare: {ours / bare:.3f}")
+    median = {name: statistics.median(values) for name, values in rates.items()}
+    print(f"recipe {args.recipe} {' '.join(args.overrides)}: {cfg.model.name}, {cfg.data.img_size}px, batch "
+          f"{cfg.train.batch_size}, {cfg.train.precision}, {threads} thread(s), {workers} worker(s), "
+          f"{args.rounds} epochs per side")
+    for name, rate in median.items():
+        print(f"{name:20s}{rate:8.0f} img/s (median)")
+    print(f"ratio train.py / bare: {median['train.py epoch loop'] / median['bare PyTorch loop']:.3f}")
+    if dtype is not None:
+        print(f"ratio train.py {cfg.train.precision} / fp32: "
+              f"{median['train.py epoch loop'] / median['train.py in fp32']:.3f}")
 
 
 if __name__ == "__main__":

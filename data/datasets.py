@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,8 @@ from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
 
-from data.sampler import DistributedShuffleSampler
+from data.sampler import DistributedShuffleSampler, SeededSamples
+from utils.config import RecipeError
 from utils.general import ROOT, UsageError
 from utils.torch_utils import LOCAL_RANK, RANK, WORLD_SIZE, torch_distributed_zero_first
 
@@ -30,7 +32,8 @@ def write_digits(root):
     pixels = np.round(digits.images * (255 / 16)).astype(np.uint8)  # values are 0..16 in the source
     train_idx, val_idx = train_test_split(
         np.arange(len(pixels)), test_size=0.2, stratify=digits.target, random_state=0)
-    tmp = root.with_name(f".{root.name}.tmp{os.getpid()}")  # written whole, then renamed into place
+    # Written whole, then renamed into place; the name is unique even between machines sharing a disk.
+    tmp = root.with_name(f".{root.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     for split, indices in (("train", train_idx), ("val", val_idx)):
         for i in indices:
             folder = tmp / split / str(digits.target[i])
@@ -98,15 +101,33 @@ def build_datasets(root, train_transform, val_transform):
 def per_rank_batch(batch_size, world_size=WORLD_SIZE):
     """Each process's share of the global batch; it must divide evenly so the recipe means the same at any N."""
     if batch_size % world_size:
-        raise DatasetError(f"train.batch_size={batch_size} is the global batch and must divide by the "
-                           f"{world_size} processes; choose a multiple of {world_size}")
+        raise RecipeError(f"train.batch_size={batch_size} is the global batch and must divide by the "
+                          f"{world_size} processes; choose a multiple of {world_size}")
     return batch_size // world_size
 
 
-def build_dataloader(dataset, batch_size, shuffle, seed, workers, device):
-    """DataLoader over this rank's share of dataset (see DistributedShuffleSampler); batch_size is per rank."""
-    sampler = DistributedShuffleSampler(len(dataset), RANK, WORLD_SIZE, shuffle=shuffle, seed=seed)
-    # Worker w of this rank is seeded with base + w, base drawn from this (seed, rank) generator per epoch.
+def check_shareable(train_set, world_size=WORLD_SIZE):
+    """Every process needs at least one training image: DDP cannot join a rank that never took a step."""
+    if len(train_set) < world_size:
+        raise DatasetError(f"{train_set.root}: {len(train_set)} training image(s) cannot be shared by {world_size} "
+                           f"processes; each needs at least one (use fewer processes or more images)")
+
+
+def build_dataloader(dataset, batch_size, train, seed, workers, device):
+    """DataLoader over this rank's share of dataset (see DistributedShuffleSampler); batch_size is per rank.
+
+    For training the order is shuffled per epoch and each sample's augmentation seeded (see SeededSamples); call
+    set_epoch(loader, epoch) before each epoch.
+    """
+    sampler = DistributedShuffleSampler(len(dataset), RANK, WORLD_SIZE, shuffle=train, seed=seed)
+    # Worker w seeds torch, random and numpy with base + w, base drawn per epoch from this (seed, rank) generator;
+    # the transforms of training samples draw from SeededSamples' per-sample seeds instead.
     generator = torch.Generator().manual_seed(seed + RANK)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
-                      pin_memory=device.type == "cuda", generator=generator)
+    return DataLoader(SeededSamples(dataset, seed) if train else dataset, batch_size=batch_size, sampler=sampler,
+                      num_workers=workers, pin_memory=device.type == "cuda", generator=generator)
+
+
+def set_epoch(loader, epoch):
+    """Point a training loader's order and augmentation at epoch."""
+    loader.sampler.set_epoch(epoch)
+    loader.dataset.set_epoch(epoch)

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.datasets import build_dataloader  # noqa: E402
+from data.datasets import build_dataloader, set_epoch  # noqa: E402
 from data.transforms import normalizer  # noqa: E402
 from models import build_model  # noqa: E402
 from train import train_one_epoch  # noqa: E402
@@ -46,7 +46,7 @@ def main(out, n_train, n_val, batch, epochs):
     model = smart_DDP(model, device) if WORLD_SIZE > 1 else model
     criterion = torch.nn.CrossEntropyLoss()
     for epoch in range(epochs):
-        train_loader.sampler.set_epoch(epoch)
+        set_epoch(train_loader, epoch)
         train_one_epoch(model, train_loader, normalize, criterion, optimizer, scheduler, grad_scaler(device, None),
                         device, None, cfg, epoch)
     net = de_parallel(model)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from data.datasets import DatasetError, build_datasets, dataset_root, split_dir, write_digits
+from data.datasets import DatasetError, build_datasets, check_shareable, dataset_root, split_dir, write_digits
 from data.transforms import normalizer, train_transforms, val_transforms
 from utils.config import DataConfig
 
@@ -86,3 +86,10 @@ def test_transforms_give_uint8_of_img_size_and_normalizer_matches_formula(image_
     expected = (batch.float() / 255 - torch.tensor([0.5, 0.4, 0.3]).view(1, 3, 1, 1)) / torch.tensor(
         [0.2, 0.2, 0.25]).view(1, 3, 1, 1)
     assert torch.allclose(out, expected, atol=1e-6)
+
+
+def test_every_process_needs_a_training_image(image_folder):
+    train, _ = build_datasets(image_folder({"train": {"a": 2, "b": 1}, "val": {"a": 1}}), None, None)
+    check_shareable(train, world_size=3)
+    with pytest.raises(DatasetError, match="3 training image.* cannot be shared by 4 processes"):
+        check_shareable(train, world_size=4)

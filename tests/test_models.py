@@ -1,10 +1,12 @@
 """Models by name: the small convnet and torchvision's classifiers."""
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 
-from models import build_model, model_names
+from models import build_model, check_input_size, model_names
 from utils.config import ModelConfig
+from utils.general import UsageError
 
 
 def build(**kw):
@@ -27,3 +29,21 @@ def test_convnet_width_and_depth_set_its_size():
 def test_torchvision_models_by_name_without_download():
     assert {"convnet", "resnet18", "mobilenet_v3_small"} <= set(model_names())
     assert build(name="resnet18")(torch.randn(2, 3, 32, 32)).shape == (2, 7)
+
+
+@pytest.mark.parametrize("name", ["googlenet", "inception_v3"])
+def test_models_with_auxiliary_heads_return_plain_logits_in_training(name):
+    model = build(name=name).train()
+    assert model(torch.randn(2, 3, 80, 80)).shape == (2, 7)
+
+
+def test_input_size_check_names_the_keys_and_leaves_the_model_as_it_was():
+    vit = build(name="vit_b_32")
+    with pytest.raises(UsageError, match=r"model.name='vit_b_32' cannot take 32x32 images \(data.img_size=32\)"):
+        check_input_size(vit, "vit_b_32", 32, torch.device("cpu"))
+    with pytest.raises(UsageError, match="cannot take 8x8 images"):
+        check_input_size(build(name="inception_v3"), "inception_v3", 8, torch.device("cpu"))
+    convnet = build(name="convnet", width=4)
+    before = {k: v.clone() for k, v in convnet.state_dict().items()}
+    check_input_size(convnet, "convnet", 8, torch.device("cpu"))
+    assert convnet.training and all(torch.equal(before[k], v) for k, v in convnet.state_dict().items())

@@ -73,7 +73,8 @@ def test_section_given_a_scalar_is_rejected(tmp_path):
 def test_bad_values_name_the_key():
     cases = {"optim.name=sgdd": "optim.name", "train.precision=fp8": "train.precision", "device=tpu": "device",
              "model.name=resnet19": "closest: 'resnet18'", "data.scale=[0.5]": "data.scale",
-             "train.epochs=0": "train.epochs", "data.hflip=1.5": "data.hflip"}
+             "train.epochs=0": "train.epochs", "data.hflip=1.5": "data.hflip", "seed=-1": "seed must be",
+             "name=' '": "name must be"}
     for override, message in cases.items():
         with pytest.raises(RecipeError, match=message.replace("(", r"\(")):
             load_recipe("cls.yaml", [override])

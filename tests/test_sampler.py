@@ -1,10 +1,16 @@
-"""The seeded distributed sampler: disjoint, complete, reshuffled per epoch, seeded, same global batches at any N."""
+"""The seeded distributed sampler (disjoint, complete, reshuffled per epoch, seeded, same global batches at any N)
+and per-sample augmentation seeds (the same augmentation whoever loads a sample)."""
 
 import pytest
 import torch
+from omegaconf import OmegaConf
+from torch.utils.data import DataLoader
+from torchvision.datasets import ImageFolder
 
-from data.datasets import DatasetError, per_rank_batch
-from data.sampler import DistributedShuffleSampler, epoch_steps
+from data.datasets import per_rank_batch
+from data.sampler import DistributedShuffleSampler, SeededSamples, epoch_steps
+from data.transforms import train_transforms
+from utils.config import DataConfig, RecipeError
 
 
 def shares(n, world, epoch=0, seed=0, shuffle=True):
@@ -68,5 +74,45 @@ def test_epoch_steps_counts_the_longest_and_shortest_share():
 
 def test_global_batch_must_divide_by_world_size():
     assert per_rank_batch(64, 4) == 16
-    with pytest.raises(DatasetError, match="train.batch_size=10 .* 4 processes"):
+    with pytest.raises(RecipeError, match="train.batch_size=10 .* 4 processes"):
         per_rank_batch(10, 4)
+
+
+def augmented_epoch(dataset, world, workers, epoch, seed=0):
+    """{sample index: augmented image} for one epoch, loaded through one DataLoader per rank as train.py does."""
+    images = {}
+    for rank in range(world):
+        sampler = DistributedShuffleSampler(len(dataset), rank, world, seed=seed)
+        samples = SeededSamples(dataset, seed)
+        sampler.set_epoch(epoch)
+        samples.set_epoch(epoch)
+        loader = DataLoader(samples, batch_size=2, sampler=sampler, num_workers=workers)
+        batches = torch.cat([batch for batch, _ in loader])
+        images.update(zip(list(sampler), batches))
+    return images
+
+
+@pytest.fixture
+def augmenting_dataset(image_folder):
+    cfg = OmegaConf.structured(DataConfig(img_size=6, scale=[0.1, 1.0], hflip=0.5))
+    return ImageFolder(str(image_folder({"train": {"a": 6, "b": 5}}, size=16) / "train"), train_transforms(cfg))
+
+
+def test_augmentation_depends_only_on_seed_epoch_and_sample(augmenting_dataset):
+    reference = augmented_epoch(augmenting_dataset, world=1, workers=0, epoch=3)
+    assert sorted(reference) == list(range(11))
+    for world, workers in ((2, 0), (3, 2), (1, 2)):
+        other = augmented_epoch(augmenting_dataset, world, workers, epoch=3)
+        assert all(torch.equal(other[i], reference[i]) for i in reference), (world, workers)
+    next_epoch = augmented_epoch(augmenting_dataset, world=1, workers=0, epoch=4)
+    assert sum(torch.equal(next_epoch[i], reference[i]) for i in reference) < 3  # re-drawn every epoch
+    other_seed = augmented_epoch(augmenting_dataset, world=1, workers=0, epoch=3, seed=1)
+    assert sum(torch.equal(other_seed[i], reference[i]) for i in reference) < 3
+
+
+def test_seeded_samples_leave_the_callers_random_stream_alone(augmenting_dataset):
+    torch.manual_seed(0)
+    expected = torch.rand(4)
+    torch.manual_seed(0)
+    SeededSamples(augmenting_dataset)[3]
+    assert torch.equal(torch.rand(4), expected)

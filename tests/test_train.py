@@ -124,6 +124,20 @@ def test_missing_dataset_exits_with_a_clear_error(tmp_path):
     assert "is neither an embedded dataset (digits) nor a directory" in result.stderr
 
 
+def test_model_that_cannot_take_the_image_size_fails_before_the_run_dir(tmp_path):
+    result = run_python("train.py", "--recipe", "cls.yaml", "model.name=vit_b_32", f"project={tmp_path / 'runs'}")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "model.name='vit_b_32' cannot take 8x8 images (data.img_size=8)" in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_unusable_project_dir_is_a_clear_error(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    result = run_python("train.py", "--recipe", "cls.yaml", "train.epochs=1", f"project={tmp_path / 'file' / 'runs'}")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "cannot create the run directory" in result.stderr and "file/runs" in result.stderr
+
+
 def test_single_process_reaches_the_same_accuracy_on_digits(tmp_path):
     result = run_python("train.py", "--recipe", "cls.yaml", f"project={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -194,6 +194,8 @@ def check_values(cfg, source):
     require(0 < cfg.sched.warmup_factor <= 1, "sched.warmup_factor", "in (0, 1]")
     require(0 <= cfg.sched.min_lr_factor <= 1, "sched.min_lr_factor", "in [0, 1]")
     require(cfg.device in ("auto", "cpu", "cuda"), "device", "auto, cpu or cuda")
+    require(0 <= cfg.seed < 2**31, "seed", "in [0, 2**31)")
+    require(bool(cfg.name.strip()), "name", "a non-empty run name")
 
 
 def close_to(name, valid):
