@@ -86,7 +86,7 @@ def train(cfg, rank_batch, device, dtype):
                 f"classes; {cfg.model.name} ({sum(p.numel() for p in model.parameters()):,} parameters); "
                 f"batch {cfg.train.batch_size} ({rank_batch} per process), {steps} steps per epoch")
     run_dir = make_run_dir(cfg)  # only now: a run that fails on its data or model leaves no directory behind
-    logger = RunLogger(run_dir) if RANK == 0 else None
+    logger = RunLogger(run_dir, recipe_to_yaml(cfg)) if RANK == 0 else None
     best_top1, best_epoch, start = -1.0, 0, time.time()
     for epoch in range(cfg.train.epochs):
         epoch_start = time.time()

@@ -20,6 +20,7 @@ def test_every_shipped_recipe_loads():
 
 def test_recipe_found_by_name_in_recipes_dir():
     assert load_recipe("cls.yaml").data.name == "digits"
+    assert load_recipe("cls") == load_recipe("cls.yaml")  # the suffix may be left off
 
 
 def test_unset_keys_take_schema_defaults(tmp_path):

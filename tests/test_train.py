@@ -89,6 +89,8 @@ def test_tensorboard_has_epoch_scalars_and_an_image_grid(digits_run):
     assert [e.step for e in events.Scalars("val/top1")] == list(range(1, len(rows) + 1))
     assert set(COLUMNS[1:]) <= set(events.Tags()["scalars"])
     assert events.Tags()["images"] == ["train/batch"]
+    recipe_text = events.Tensors("recipe/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "batch_size: 64" in recipe_text and f"project: {project}" in recipe_text
 
 
 def test_single_process_on_user_folder_with_few_classes(image_folder, tmp_path):

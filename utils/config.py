@@ -79,12 +79,10 @@ class RecipeError(UsageError):
 
 
 def find_recipe(recipe, relative_to=None):
-    """Path of a recipe given as a path, else as a name inside relative_to or recipes/."""
-    candidates = [Path(recipe)]
-    if relative_to is not None:
-        candidates.append(Path(relative_to) / recipe)
-    candidates.append(RECIPES_DIR / recipe)
-    for path in candidates:
+    """Path of a recipe given as a path, else as a name inside relative_to or recipes/ ('.yaml' may be left off)."""
+    folders = [Path(), *([Path(relative_to)] if relative_to is not None else []), RECIPES_DIR]
+    names = [recipe] if recipe.endswith((".yaml", ".yml")) else [recipe, f"{recipe}.yaml"]
+    for path in (folder / name for folder in folders for name in names):
         if path.is_file():
             return path
     available = ", ".join(sorted(p.name for p in RECIPES_DIR.glob("*.yaml")))

@@ -11,9 +11,10 @@ COLUMNS = ["epoch", "train/loss", "val/loss", "val/top1", "val/top5", "lr", "epo
 class RunLogger:
     """Appends one row per epoch to results.csv and the same scalars to TensorBoard event files in run_dir."""
 
-    def __init__(self, run_dir):
+    def __init__(self, run_dir, recipe_yaml):
         self.csv_path = run_dir / "results.csv"
         self.tb = SummaryWriter(str(run_dir))
+        self.tb.add_text("recipe", "    " + recipe_yaml.replace("\n", "\n    "))  # indented: shown as code
 
     def log_epoch(self, metrics):
         """Record an epoch's metrics (a dict with every name in COLUMNS; None for a metric not computed)."""
