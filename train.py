@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from tqdm import tqdm
 
-from data.datasets import build_dataloader, build_datasets, check_shareable, dataset_root, per_rank_batch, set_epoch
+from data.datasets import build_dataloader, build_datasets, check_shareable, dataset_root, set_epoch
 from data.sampler import epoch_steps
 from data.transforms import normalizer, train_transforms, val_transforms
 from models import build_model, check_input_size
@@ -44,12 +44,11 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         cfg = load_recipe(args.recipe, args.overrides)
-        rank_batch = per_rank_batch(cfg.train.batch_size)
         device = select_device(cfg.device)
         dtype = autocast_dtype(cfg.train.precision, device)
         setup_distributed(device)
         try:
-            return train(cfg, rank_batch, device, dtype)
+            return train(cfg, device, dtype)
         finally:
             cleanup_distributed()
     except UsageError as e:
@@ -59,8 +58,9 @@ def main(argv=None):
         sys.exit(2)
 
 
-def train(cfg, rank_batch, device, dtype):
+def train(cfg, device, dtype):
     """The whole run: data, model, optimizer, then per epoch train, validate, log and save; returns best top-1."""
+    rank_batch = cfg.train.batch_size // WORLD_SIZE  # the recipe check made sure it divides
     threads, workers = set_threads(cfg.data.workers)
     init_seeds(cfg.seed + RANK, cfg.train.deterministic)  # own dropout stream per rank; DDP copies rank 0's init
     train_set, val_set = build_datasets(dataset_root(cfg.data.name), train_transforms(cfg.data),

@@ -12,7 +12,6 @@ from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
 
 from data.sampler import DistributedShuffleSampler, SeededSamples
-from utils.config import RecipeError
 from utils.general import ROOT, UsageError
 from utils.torch_utils import LOCAL_RANK, RANK, WORLD_SIZE, torch_distributed_zero_first
 
@@ -96,14 +95,6 @@ def build_datasets(root, train_transform, val_transform):
         val_set.imgs, val_set.targets = val_set.samples, [i for _, i in val_set.samples]
         val_set.classes, val_set.class_to_idx = train_set.classes, train_set.class_to_idx
     return train_set, val_set
-
-
-def per_rank_batch(batch_size, world_size=WORLD_SIZE):
-    """Each process's share of the global batch; it must divide evenly so the recipe means the same at any N."""
-    if batch_size % world_size:
-        raise RecipeError(f"train.batch_size={batch_size} is the global batch and must divide by the "
-                          f"{world_size} processes; choose a multiple of {world_size}")
-    return batch_size // world_size
 
 
 def check_shareable(train_set, world_size=WORLD_SIZE):

@@ -7,10 +7,10 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
 
-from data.datasets import per_rank_batch
 from data.sampler import DistributedShuffleSampler, SeededSamples, epoch_steps
 from data.transforms import train_transforms
-from utils.config import DataConfig, RecipeError
+import utils.config
+from utils.config import DataConfig, RecipeError, load_recipe
 
 
 def shares(n, world, epoch=0, seed=0, shuffle=True):
@@ -72,10 +72,11 @@ def test_epoch_steps_counts_the_longest_and_shortest_share():
     assert epoch_steps(64, 32, 1) == (2, 2)
 
 
-def test_global_batch_must_divide_by_world_size():
-    assert per_rank_batch(64, 4) == 16
-    with pytest.raises(RecipeError, match="train.batch_size=10 .* 4 processes"):
-        per_rank_batch(10, 4)
+def test_global_batch_must_divide_by_world_size(monkeypatch):
+    monkeypatch.setattr(utils.config, "WORLD_SIZE", 4)
+    assert load_recipe("cls.yaml", ["train.batch_size=64"]).train.batch_size == 64
+    with pytest.raises(RecipeError, match=r"cls.yaml .*train.batch_size must be a multiple of the 4 processes.*got 10"):
+        load_recipe("cls.yaml", ["train.batch_size=10"])
 
 
 def augmented_epoch(dataset, world, workers, epoch, seed=0):

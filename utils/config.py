@@ -8,7 +8,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from utils.general import ROOT, UsageError
+from utils.general import ROOT, WORLD_SIZE, UsageError
 
 RECIPES_DIR = ROOT / "recipes"
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
@@ -182,6 +182,8 @@ def check_values(cfg, source):
     require(cfg.data.workers >= 0, "data.workers", ">= 0")
     require(cfg.train.epochs >= 1, "train.epochs", ">= 1")
     require(cfg.train.batch_size >= 1, "train.batch_size", ">= 1")
+    require(cfg.train.batch_size % WORLD_SIZE == 0, "train.batch_size",
+            f"a multiple of the {WORLD_SIZE} processes (the global batch is split evenly between them)")
     require(0 <= cfg.train.label_smoothing < 1, "train.label_smoothing", "in [0, 1)")
     require(cfg.train.precision in ("fp32", "bf16", "fp16"), "train.precision", "one of fp32, bf16, fp16")
     require(cfg.optim.name in ("sgd", "adamw"), "optim.name", "sgd or adamw")

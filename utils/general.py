@@ -6,7 +6,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]  # repository root
-RANK = int(os.getenv("RANK", 0))  # global rank, as torchrun sets it; 0 when run as one process
+# Set by torchrun; absent means one process.
+RANK = int(os.getenv("RANK", 0))  # global rank
+WORLD_SIZE = int(os.getenv("WORLD_SIZE", 1))  # processes in the whole job
 
 
 def set_logging(name="cls"):

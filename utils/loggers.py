@@ -1,6 +1,7 @@
 """Rank 0's record of a run: results.csv, TensorBoard scalars and images, and the console summary line."""
 
 import csv
+import textwrap
 
 from torch.utils.tensorboard import SummaryWriter
 from torchvision.utils import make_grid
@@ -14,7 +15,7 @@ class RunLogger:
     def __init__(self, run_dir, recipe_yaml):
         self.csv_path = run_dir / "results.csv"
         self.tb = SummaryWriter(str(run_dir))
-        self.tb.add_text("recipe", "    " + recipe_yaml.replace("\n", "\n    "))  # indented: shown as code
+        self.tb.add_text("recipe", textwrap.indent(recipe_yaml, "    "))  # indented: markdown shows it as code
 
     def log_epoch(self, metrics):
         """Record an epoch's metrics (a dict with every name in COLUMNS; None for a metric not computed)."""

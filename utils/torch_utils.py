@@ -9,12 +9,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from utils.general import LOGGER, UsageError, cpu_count
+from utils.general import LOGGER, RANK, WORLD_SIZE, UsageError, cpu_count  # noqa: F401 (RANK: for importers)
 
 # Set by torchrun; absent means one process.
 LOCAL_RANK = int(os.getenv("LOCAL_RANK", 0))
-RANK = int(os.getenv("RANK", 0))
-WORLD_SIZE = int(os.getenv("WORLD_SIZE", 1))
 LOCAL_WORLD_SIZE = int(os.getenv("LOCAL_WORLD_SIZE", 1))  # processes on this machine
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
