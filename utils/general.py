@@ -30,6 +30,15 @@ class UsageError(ValueError):
     """Bad input (recipe, data, device): reported as one line naming what is wrong, exit code 2."""
 
 
+def error_line(error):
+    """The one-line message of an error; for one re-raised from a DataLoader worker (whose message is the worker's
+    whole traceback), the original message at its end."""
+    text = str(error).strip()
+    if "Original Traceback" in text:
+        text = text.splitlines()[-1].split(": ", 1)[-1]  # 'data.datasets.DatasetError: <message>'
+    return text
+
+
 def colorstr(*args):
     """Colour a string for the terminal: colorstr('blue', 'bold', 'text'); plain when stdout is not a TTY."""
     *styles, text = args if len(args) > 1 else ("blue", "bold", args[0])
