@@ -3,178 +3,386 @@
 Usage:
     python train.py --recipe cls.yaml
     torchrun --nproc_per_node=2 train.py --recipe cls.yaml optim.lr=0.05 train.epochs=3
+    torchrun --nproc_per_node=2 train.py --resume runs/train/exp     # continue a stopped or crashed run exactly
 """
 
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 from tqdm import tqdm
 
 from data.datasets import build_dataloader, build_datasets, check_shareable, dataset_root, set_epoch
-from data.sampler import epoch_steps
 from data.transforms import normalizer, train_transforms, val_transforms
 from models import build_model, check_input_size
-from utils.checkpoint import save_checkpoint
-from utils.config import RecipeError, load_recipe, recipe_to_yaml
-from utils.general import LOGGER, UsageError, colorstr, increment_path
+from utils.checkpoint import find_resume_checkpoint, load_training_checkpoint, run_dir_of, save_checkpoint
+from utils.config import Recipe, check_resumable, load_recipe, load_resumed_recipe, parse_overrides, recipe_to_yaml
+from utils.general import LOGGER, SharedError, UsageError, colorstr, error_line, increment_path
 from utils.loggers import RunLogger, epoch_summary
 from utils.metrics import evaluate
 from utils.optim import build_optimizer, build_scheduler
-from utils.torch_utils import (RANK, WORLD_SIZE, all_reduce_sum, autocast, autocast_dtype, broadcast_buffers,
-                               broadcast_object, broadcast_optimizer_state, cleanup_distributed, de_parallel,
-                               grad_scaler, init_seeds, join_uneven_inputs, select_device, set_threads,
-                               setup_distributed, smart_DDP)
+from utils.stopping import StopVote
+from utils.torch_utils import (LOCAL_WORLD_SIZE, RANK, RESTART_COUNT, RUN_ID, WORLD_SIZE, all_reduce_sum, autocast,
+                               autocast_dtype, broadcast_buffers, broadcast_optimizer_state, broadcast_scaler_state,
+                               cleanup_distributed, de_parallel, gather_object, grad_scaler, init_seeds,
+                               join_uneven_inputs, on_rank0, rng_states, select_device, set_device, set_rng_states,
+                               set_threads, setup_distributed, smart_DDP, sync_batchnorm)
+
+
+class Stopped(Exception):
+    """The ranks agreed to stop on a signal (preemption, Ctrl-C) after saving a checkpoint."""
+
+    def __init__(self, signum):
+        super().__init__(f"stopped by signal {signum}")
+        self.signum = signum
+
+
+@dataclass
+class TrainState:
+    """What an optimizer step needs and a checkpoint holds: the training objects and where the run is."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    epoch: int = 0  # epochs done
+    step: int = 0  # steps done in the next epoch
+    epoch_loss: tuple = (0.0, 0)  # (summed train loss, samples) of those steps, over all ranks
+    best_top1: float = -1.0
+    best_epoch: int = 0
 
 
 def parse_args(argv=None):
-    """--recipe NAME and key=value overrides."""
+    """--recipe NAME or --resume [PATH], and key=value overrides."""
     parser = argparse.ArgumentParser(description="Train an image classifier from a recipe.")
-    parser.add_argument("--recipe", default="cls.yaml", help="recipe path, or a name in recipes/ (default: cls.yaml)")
+    parser.add_argument("--recipe", help="recipe path, or a name in recipes/ (default: cls.yaml)")
+    parser.add_argument("--resume", nargs="?", const="", metavar="PATH",
+                        help="continue a run exactly: a checkpoint, a run directory, or (no PATH) the newest run "
+                             "under project; the recipe comes from the checkpoint")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. optim.lr=0.05")
     return parser.parse_args(argv)
 
 
+@record  # under torchrun, an unexpected error's traceback becomes the reported root cause of the failure
 def main(argv=None):
-    """Load and check the recipe before any work, then train; bad input exits with code 2 and a one-line reason."""
+    """Join the process group, settle the recipe and checkpoint, train; bad input exits with code 2 and one line,
+    a stop signal with 128 + its number after saving."""
     args = parse_args(argv)
     try:
-        cfg = load_recipe(args.recipe, args.overrides)
-        device = select_device(cfg.device)
-        dtype = autocast_dtype(cfg.train.precision, device)
-        setup_distributed(device)
+        setup_distributed()
         try:
-            return train(cfg, device, dtype)
+            cfg, run_dir, resume = prepare_run(args)
+            device = select_device(cfg.device)
+            set_device(device)
+            dtype = autocast_dtype(cfg.train.precision, device)
+            return train(cfg, device, dtype, run_dir, resume)
         finally:
             cleanup_distributed()
     except UsageError as e:
-        everywhere = isinstance(e, RecipeError)  # a recipe error is the same on every rank: say it once
-        if RANK == 0 or not everywhere:
-            print(f"{'' if everywhere or WORLD_SIZE == 1 else f'[rank {RANK}] '}train.py: error: {e}", file=sys.stderr)
+        if RANK == 0 or not isinstance(e, SharedError):  # a shared error is the same on every rank: say it once
+            prefix = "" if isinstance(e, SharedError) or WORLD_SIZE == 1 else f"[rank {RANK}] "
+            print(f"{prefix}train.py: error: {error_line(e)}", file=sys.stderr)
+        get_error_handler().record_exception(e)  # torchrun's summary names the cause
         sys.exit(2)
+    except Stopped as e:
+        sys.exit(128 + e.signum)
 
 
-def train(cfg, device, dtype):
+def prepare_run(args):
+    """(recipe, run directory or None for a new one, (checkpoint path, checkpoint) or None) for this launch: a new
+    run, an explicit --resume, or this torchrun job's own run after torchrun restarted the workers."""
+    if args.resume is not None:
+        if args.recipe:
+            raise SharedError("--resume takes the recipe from the checkpoint: leave out --recipe (key=value "
+                              "overrides may still extend train.epochs, or change data.workers or device)")
+        project = parse_overrides(args.overrides).get("project", Recipe.project)
+        path, run_dir, ckpt = on_rank0(read_resume, args.resume, project)
+        return load_resumed_recipe(ckpt["recipe"], args.overrides, source=path), Path(run_dir), (path, ckpt)
+    cfg = load_recipe(args.recipe or "cls.yaml", args.overrides)
+    if RESTART_COUNT:  # torchrun restarted the workers after a failure: continue this job's run where it stopped
+        run_dir, path, ckpt = on_rank0(read_restarted_run, cfg.project, cfg.name)
+        if ckpt is not None:
+            check_resumable(load_resumed_recipe(ckpt["recipe"], source=path), cfg, "the recipe on restart")
+        LOGGER.info(f"torchrun restart {RESTART_COUNT}: continuing {run_dir or 'a new run'} "
+                    f"{'from ' + path if path else 'from the start'}")
+        return cfg, run_dir and Path(run_dir), (path, ckpt) if ckpt is not None else None
+    return cfg, None, None
+
+
+def read_resume(resume, project):
+    """Rank 0: (path, run directory, checkpoint) for --resume."""
+    path = find_resume_checkpoint(resume, project)
+    return str(path), str(run_dir_of(path)), load_training_checkpoint(path)
+
+
+def read_restarted_run(project, name):
+    """Rank 0: (run directory, last.pt path, checkpoint) of this torchrun job's run, Nones where there is none."""
+    runs = [d for d in Path(project).glob(f"{name}*") if (d / ".torchrun_id").is_file()]
+    for run_dir in sorted(runs, key=lambda d: d.stat().st_mtime, reverse=True):
+        if (run_dir / ".torchrun_id").read_text() == RUN_ID:
+            last = run_dir / "weights" / "last.pt"
+            return (str(run_dir), str(last), load_training_checkpoint(last)) if last.exists() else (str(run_dir),
+                                                                                                   None, None)
+    return None, None, None
+
+
+def train(cfg, device, dtype, run_dir=None, resume=None):
     """The whole run: data, model, optimizer, then per epoch train, validate, log and save; returns best top-1."""
-    rank_batch = cfg.train.batch_size // WORLD_SIZE  # the recipe check made sure it divides
     threads, workers = set_threads(cfg.data.workers)
     init_seeds(cfg.seed + RANK, cfg.train.deterministic)  # own dropout stream per rank; DDP copies rank 0's init
     train_set, val_set = build_datasets(dataset_root(cfg.data.name), train_transforms(cfg.data),
                                         val_transforms(cfg.data))
     check_shareable(train_set)
     classes = train_set.classes
-    train_loader = build_dataloader(train_set, rank_batch, True, cfg.seed, workers, device)
-    val_loader = build_dataloader(val_set, rank_batch, False, cfg.seed, workers, device)
-    steps = epoch_steps(len(train_set), rank_batch, WORLD_SIZE)[0]
+    train_loader = build_dataloader(train_set, cfg.train.batch_size, True, cfg.seed, workers, device,
+                                    cfg.data.drop_last)
+    val_loader = build_dataloader(val_set, cfg.train.batch_size, False, cfg.seed, workers, device)
+    steps = train_loader.sampler.steps()[0]
     normalize = normalizer(cfg.data, device)
 
     model = build_model(cfg.model, len(classes)).to(device)
     check_input_size(model, cfg.model.name, cfg.data.img_size, device)
+    model = sync_batchnorm(model, cfg.model.sync_bn, device)
     optimizer = build_optimizer(model, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.sched, cfg.train.epochs, steps)
-    scaler = grad_scaler(device, dtype)
-    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing)
+    state = TrainState(model, optimizer, build_scheduler(optimizer, cfg.sched, cfg.train.epochs, steps),
+                       grad_scaler(device, dtype))
+    if resume:
+        restore(state, *resume, classes, cfg.train.epochs)
     if WORLD_SIZE > 1:
-        model = smart_DDP(model, device)
+        state.model = smart_DDP(model, device)  # after restore: DDP starts every rank from rank 0's weights
+    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing, reduction="sum")
 
     LOGGER.info(f"{colorstr('train:')} {WORLD_SIZE} process(es) on {device.type}, {threads} thread(s) and "
                 f"{workers} worker(s) each; {len(train_set)} train / {len(val_set)} val images, {len(classes)} "
                 f"classes; {cfg.model.name} ({sum(p.numel() for p in model.parameters()):,} parameters); "
-                f"batch {cfg.train.batch_size} ({rank_batch} per process), {steps} steps per epoch")
-    run_dir = make_run_dir(cfg)  # only now: a run that fails on its data or model leaves no directory behind
-    logger = RunLogger(run_dir, recipe_to_yaml(cfg)) if RANK == 0 else None
-    best_top1, best_epoch, start = -1.0, 0, time.time()
-    for epoch in range(cfg.train.epochs):
-        epoch_start = time.time()
-        set_epoch(train_loader, epoch)
-        show = (lambda images: logger.log_images("train/batch", images[:64] / 255)) if logger and epoch == 0 else None
-        train_loss, images_seen = train_one_epoch(model, train_loader, normalize, criterion, optimizer, scheduler,
-                                                  scaler, device, dtype, cfg, epoch, show)
-        train_time = time.time() - epoch_start
-        broadcast_buffers(de_parallel(model))  # every rank validates rank 0's BatchNorm statistics, as saved
-        metrics = evaluate(de_parallel(model), val_loader, normalize, len(classes), device, dtype)
-        metrics.update({"epoch": epoch + 1, "train/loss": train_loss, "lr": optimizer.param_groups[0]["lr"],
-                        "epoch_time": time.time() - epoch_start, "train/img_s": images_seen / train_time})
-        improved = metrics["val/top1"] > best_top1
-        if improved:
-            best_top1, best_epoch = metrics["val/top1"], epoch + 1
-        if RANK == 0:
-            logger.log_epoch(metrics)
-            LOGGER.info(epoch_summary(metrics, cfg.train.epochs))
-            state = checkpoint_state(model, optimizer, scheduler, scaler, epoch + 1, best_top1, classes, cfg)
-            save_checkpoint(state, run_dir / "weights" / "last.pt")
+                f"batch {cfg.train.batch_size} ({cfg.train.batch_size // WORLD_SIZE} per process), {steps} steps "
+                f"per epoch{f'; resuming at epoch {state.epoch + 1}, step {state.step}' if resume else ''}")
+    # Only now: a run that fails on its data or model leaves no directory behind.
+    run_dir = resumed_run_dir(run_dir, cfg) if run_dir else make_run_dir(cfg)
+    logger = RunLogger(run_dir, recipe_to_yaml(cfg), state.epoch if resume or RESTART_COUNT else None) \
+        if RANK == 0 else None
+    save = lambda name: save_state(state, cfg, classes, run_dir / "weights" / name)  # noqa: E731 (collective)
+    start = time.time()
+    with StopVote(device) as vote:
+        for epoch in range(state.epoch, cfg.train.epochs):
+            epoch_start = time.time()
+            set_epoch(train_loader, epoch, state.step)
+            show = (lambda x: logger.log_images("train/batch", x[:64] / 255)) if logger and not (
+                epoch or state.step or resume) else None
+            images_seen, stopped = train_one_epoch(state, train_loader, normalize, criterion, dtype, cfg, epoch,
+                                                   vote, save, show)
+            if stopped:
+                stop_and_save(vote, save, run_dir, epoch, state.step, steps)
+            train_time = time.time() - epoch_start
+            keep_ranks_in_step(state, train_loader, epoch)
+            metrics = evaluate(de_parallel(state.model), val_loader, normalize, len(classes), device, dtype)
+            loss_sum, seen = state.epoch_loss
+            metrics.update({"epoch": epoch + 1, "train/loss": loss_sum / seen, "lr": optimizer.param_groups[0]["lr"],
+                            "epoch_time": time.time() - epoch_start, "train/img_s": images_seen / train_time})
+            state.epoch, state.step, state.epoch_loss = epoch + 1, 0, (0.0, 0)
+            improved = metrics["val/top1"] > state.best_top1
             if improved:
-                save_checkpoint(state, run_dir / "weights" / "best.pt")
-    if RANK == 0:
+                state.best_top1, state.best_epoch = metrics["val/top1"], epoch + 1
+            if logger:
+                logger.log_epoch(metrics)
+                LOGGER.info(epoch_summary(metrics, cfg.train.epochs))
+            save("last.pt")
+            if improved:
+                save("best.pt")
+            if vote.settle()[0]:  # a signal during validation: stop with the epoch's checkpoint
+                stop_and_save(vote, None, run_dir, epoch + 1, 0, steps)
+    if logger:
         logger.close()
         LOGGER.info(f"\n{cfg.train.epochs} epochs in {time.time() - start:.1f}s. Results saved to "
-                    f"{colorstr('bold', str(run_dir))}\nBest val top-1 {best_top1:.2%} at epoch {best_epoch}: "
-                    f"{run_dir / 'weights' / 'best.pt'}\nView the run: tensorboard --logdir {run_dir.parent}")
-    return best_top1
+                    f"{colorstr('bold', str(run_dir))}\nBest val top-1 {state.best_top1:.2%} at epoch "
+                    f"{state.best_epoch}: {run_dir / 'weights' / 'best.pt'}\nView the run: tensorboard --logdir "
+                    f"{run_dir.parent}")
+    return state.best_top1
 
 
-def train_one_epoch(model, loader, normalize, criterion, optimizer, scheduler, scaler, device, dtype, cfg, epoch,
-                    show_batch=None):
-    """One pass over this rank's share of the data; returns (mean train loss, images seen) over all ranks."""
-    model.train()
-    loss_sum, seen = torch.zeros((), device=device), 0
-    bar = tqdm(loader, desc=f"{epoch + 1}/{cfg.train.epochs}", disable=True if RANK else None, leave=False)
+def train_one_epoch(state, loader, normalize, criterion, dtype, cfg, epoch, vote, save, show_batch=None):
+    """Train this rank's share of the epoch from step state.step to its end, or until the ranks agree to stop
+    (state.step then says where); returns (images all ranks trained on, whether they stopped)."""
+    state.model.train()
+    device, sampler = next(de_parallel(state.model).parameters()).device, loader.sampler
+    most, fewest = sampler.steps()  # ranks' shares differ by a sample, so a rank may take one step fewer
+    loss_sum, seen, tail_loss = torch.zeros((), dtype=torch.float64, device=device), 0, None
+    images_before = state.epoch_loss[1]
+    bar = tqdm(loader, desc=f"{epoch + 1}/{cfg.train.epochs}", initial=state.step, total=most,
+               disable=True if RANK else None, leave=False)
     start = last_shown = time.monotonic()
-    with join_uneven_inputs(model):  # shares differ by a sample, so ranks may take one step fewer
-        for images, targets in bar:
+    stop = False
+    with join_uneven_inputs(state.model):
+        for step, (images, targets) in enumerate(bar, state.step):
             images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             if show_batch:
                 show_batch(images)
                 show_batch = None
-            images = normalize(images)
-            with autocast(device, dtype):
-                loss = criterion(model(images), targets)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            if cfg.optim.clip_grad_norm:
-                scaler.unscale_(optimizer)
-                nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad_norm)
-            scaler.step(optimizer)
-            scaler.update()
-            scheduler.step()
-            loss_sum += loss.detach() * len(targets)
+            loss = train_step(state, normalize(images), targets, criterion, dtype, cfg.optim.clip_grad_norm,
+                              sampler.step_samples(step))
+            loss_sum += loss
             seen += len(targets)
+            state.step = step + 1
+            if step < fewest:  # every rank takes this step, so all can vote (collectives) after it
+                stop = check_vote(vote.cast(loss, step), epoch, most)
+                if not stop and wants_save(cfg.train.save_every_steps, epoch * most + state.step, state.step, most):
+                    stop = check_vote(vote.settle(), epoch, most)  # never save a non-finite state
+                    state.epoch_loss = add_epoch_loss(state.epoch_loss, loss_sum, seen, device)
+                    loss_sum.zero_()
+                    seen = 0
+                    save("last.pt")
+                if stop:
+                    break
+            else:  # the step some ranks do not take: voted on with every rank after the loop
+                tail_loss = loss if tail_loss is None else tail_loss + loss
             if not bar.disable and time.monotonic() - last_shown > 0.5:  # .item() syncs: at most twice a second
                 last_shown = time.monotonic()
                 rate = seen * WORLD_SIZE / (last_shown - start)
-                bar.set_postfix_str(f"loss {loss_sum.item() / seen:.4f}  {rate:.0f} img/s", refresh=False)
-    most, fewest = epoch_steps(len(loader.dataset), loader.batch_size, WORLD_SIZE)
-    for _ in range(most - len(loader)):  # a rank whose share ran out a step early keeps the schedule in step
-        scheduler.step()
-    if fewest < most:  # ... but missed that step's optimizer update; join() synced the weights, this the state
-        broadcast_optimizer_state(optimizer)
-    loss_sum, seen = all_reduce_sum(torch.stack([loss_sum.double(), torch.tensor(seen, device=device).double()]))
-    return (loss_sum / seen).item(), int(seen)
+                bar.set_postfix_str(f"loss {loss_sum.item() / max(seen, 1):.4f}  {rate:.0f} img/s", refresh=False)
+    stop = check_vote(vote.settle(tail_loss, most - 1), epoch, most) or stop
+    if not stop:
+        state.step = most  # also on a rank that took one step fewer
+    state.epoch_loss = add_epoch_loss(state.epoch_loss, loss_sum, seen, device)
+    return state.epoch_loss[1] - images_before, stop
+
+
+def train_step(state, images, targets, criterion, dtype, clip_grad_norm, step_samples):
+    """One optimizer step on this rank's part of a global batch of step_samples; returns its summed loss."""
+    with autocast(images.device, dtype):
+        loss_sum = criterion(state.model(images), targets)
+    # DDP averages gradients over the processes (one that has run out adds zeros): scaled so, the step's gradient
+    # is the mean over its samples at any number of processes, also in a last, partial step.
+    loss = loss_sum * (WORLD_SIZE / step_samples)
+    state.optimizer.zero_grad(set_to_none=True)
+    state.scaler.scale(loss).backward()
+    if clip_grad_norm:
+        state.scaler.unscale_(state.optimizer)
+        nn.utils.clip_grad_norm_(state.model.parameters(), clip_grad_norm)
+    state.scaler.step(state.optimizer)
+    state.scaler.update()
+    state.scheduler.step()
+    return loss_sum.detach()
+
+
+def check_vote(verdict, epoch, steps):
+    """The vote's stop flag; a non-finite loss on any rank ends the run on every rank, before anything is saved."""
+    stop, bad_step = verdict
+    if bad_step is not None:
+        raise SharedError(f"the training loss is not finite (nan or inf) at epoch {epoch + 1}, step {bad_step + 1}/"
+                          f"{steps}; stopped without saving, so weights/last.pt keeps the last good state. Lower "
+                          f"optim.lr, set optim.clip_grad_norm, or train in fp32")
+    return stop
+
+
+def wants_save(every, global_step, step, steps):
+    """A mid-epoch save every `every` steps, except at the epoch's end, which saves anyway."""
+    return bool(every) and global_step % every == 0 and step < steps
+
+
+def add_epoch_loss(epoch_loss, loss_sum, seen, device):
+    """epoch_loss plus this rank's (loss_sum, seen) summed over every rank."""
+    total = all_reduce_sum(torch.stack([loss_sum.double(), torch.tensor(seen, dtype=torch.float64, device=device)]))
+    return epoch_loss[0] + total[0].item(), epoch_loss[1] + int(total[1].item())
+
+
+def keep_ranks_in_step(state, loader, epoch):
+    """After an epoch in which a rank took one step fewer: bring its schedule, optimizer and GradScaler state to
+    those of rank 0 (join() synced the weights), and give every rank rank 0's BatchNorm statistics."""
+    most, fewest = loader.sampler.steps()
+    for _ in range((epoch + 1) * most - state.scheduler.last_epoch):
+        state.scheduler.step()
+    if fewest < most:
+        broadcast_optimizer_state(state.optimizer)
+        broadcast_scaler_state(state.scaler)
+    broadcast_buffers(de_parallel(state.model))  # every rank validates rank 0's BatchNorm statistics, as saved
+
+
+def stop_and_save(vote, save, run_dir, epoch, step, steps):
+    """Every rank agreed to stop: save where the run is (save=None: already saved), say how to resume, and stop."""
+    if save:
+        save("last.pt")
+    LOGGER.info(f"\nStopped at epoch {epoch + 1 if step else epoch}, step {step or steps}/{steps}; saved "
+                f"{run_dir / 'weights' / 'last.pt'}. Resume with:\n  {resume_command(run_dir)}")
+    raise Stopped(vote.signal or 15)
+
+
+def resume_command(run_dir):
+    """The command that continues this run from its last checkpoint, launched as this one was."""
+    if RUN_ID is None:
+        return f"python train.py --resume {run_dir}"
+    nodes = WORLD_SIZE // LOCAL_WORLD_SIZE
+    extra = f" --nnodes={nodes} (and this launch's --rdzv options, on every node)" if nodes > 1 else ""
+    return f"torchrun --nproc_per_node={LOCAL_WORLD_SIZE}{extra} train.py --resume {run_dir}"
+
+
+def save_state(state, cfg, classes, path):
+    """Save a checkpoint of the run where it is (with every rank's random state; all ranks call this together)."""
+    rng = gather_object(rng_states())
+    on_rank0(lambda: save_checkpoint(
+        {"model": de_parallel(state.model).state_dict(), "optimizer": state.optimizer.state_dict(),
+         "scheduler": state.scheduler.state_dict(), "scaler": state.scaler.state_dict(), "epoch": state.epoch,
+         "step": state.step, "epoch_loss": list(state.epoch_loss), "best_top1": state.best_top1,
+         "best_epoch": state.best_epoch, "classes": list(classes), "recipe": OmegaConf.to_container(cfg),
+         "rng": rng, "ema": None}, path))
+
+
+def restore(state, path, ckpt, classes, epochs):
+    """Load a checkpoint into state: weights, optimizer, schedule, scaler, position and this rank's random state."""
+    if ckpt["classes"] != list(classes):
+        raise SharedError(f"{path}: trained on {len(ckpt['classes'])} classes {ckpt['classes'][:5]}..., but the "
+                          f"data has {len(classes)} classes {list(classes)[:5]}...; resume with the same data")
+    try:
+        state.model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        raise SharedError(f"{path}: its weights do not fit the model of its recipe: "
+                          f"{str(e).strip().splitlines()[1].strip()}") from None
+    if (ckpt["epoch"], ckpt["step"]) >= (epochs, 0):
+        raise SharedError(f"{path}: the run has already trained all {epochs} epochs; to train longer, resume with "
+                          f"train.epochs=N (N > {epochs})")
+    state.optimizer.load_state_dict(ckpt["optimizer"])
+    state.scheduler.load_state_dict(ckpt["scheduler"])
+    for group, base_lr, factor in zip(state.optimizer.param_groups, state.scheduler.base_lrs,
+                                      state.scheduler.lr_lambdas):  # a changed train.epochs changes the schedule
+        group["lr"] = base_lr * factor(state.scheduler.last_epoch)
+    state.scaler.load_state_dict(ckpt["scaler"])
+    state.epoch, state.step, state.epoch_loss = ckpt["epoch"], ckpt["step"], tuple(ckpt["epoch_loss"])
+    state.best_top1, state.best_epoch = ckpt["best_top1"], ckpt["best_epoch"]
+    if RANK < len(ckpt["rng"]):
+        set_rng_states(ckpt["rng"][RANK])
+    if len(ckpt["rng"]) != WORLD_SIZE:
+        LOGGER.warning(f"{path} was saved by {len(ckpt['rng'])} process(es), resumed by {WORLD_SIZE}: the data "
+                       f"and steps are the same, but per-process random streams (dropout) start afresh")
 
 
 def make_run_dir(cfg):
     """Rank 0 claims project/name (exp, exp2, ...) and saves the resolved recipe there; every rank gets the path."""
-    run_dir = None
-    if RANK == 0:
+    def claim():
         try:
             run_dir = increment_path(Path(cfg.project) / cfg.name, mkdir=True)
             (run_dir / "weights").mkdir()
             (run_dir / "recipe.yaml").write_text(recipe_to_yaml(cfg))
+            if RUN_ID is not None:  # lets a torchrun restart of this job find its run
+                (run_dir / ".torchrun_id").write_text(RUN_ID)
         except OSError as e:
             raise UsageError(f"project={cfg.project!r} name={cfg.name!r}: cannot create the run directory: "
                              f"{e}") from None
-    return Path(broadcast_object(str(run_dir)))
+        return str(run_dir)
+    return Path(on_rank0(claim))
 
 
-def checkpoint_state(model, optimizer, scheduler, scaler, epoch, best_top1, classes, cfg):
-    """Everything a checkpoint holds, as plain state_dicts and values (loadable with weights_only=True)."""
-    return {"model": de_parallel(model).state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "epoch": epoch,
-            "best_top1": best_top1, "classes": list(classes), "recipe": OmegaConf.to_container(cfg)}
+def resumed_run_dir(run_dir, cfg):
+    """The run directory a resumed run continues in; rank 0 saves the (possibly extended) recipe there."""
+    def update():
+        (run_dir / "weights").mkdir(exist_ok=True)
+        (run_dir / "recipe.yaml").write_text(recipe_to_yaml(cfg))
+    on_rank0(update)
+    return run_dir
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 import os
 import shutil
+import signal
 import socket
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -10,9 +12,11 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
+from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from data.sampler import DistributedShuffleSampler, SeededSamples
-from utils.general import ROOT, UsageError
+from data.sampler import DistributedShuffleSampler, SeededSamples, seed_hash
+from data.verify import UNREADABLE, decode, unreadable_images, unreadable_reason
+from utils.general import LOGGER, ROOT, UsageError, colorstr
 from utils.torch_utils import LOCAL_RANK, RANK, WORLD_SIZE, torch_distributed_zero_first
 
 DATASETS_DIR = ROOT / "datasets"
@@ -74,16 +78,59 @@ def split_dir(root, split):
                        f"train/<class>/* and val/<class>/* (or test/<class>/*)")
 
 
-def image_folder(folder, transform):
-    """torchvision ImageFolder, with errors that name the folder."""
+def load_rgb(path):
+    """ImageFolder loader: the decoded RGB image, or a DatasetError naming the file (PIL's errors name none)."""
     try:
-        return ImageFolder(str(folder), transform=transform)
-    except (FileNotFoundError, RuntimeError) as e:
-        raise DatasetError(f"{folder}: {e}") from None
+        return decode(path)
+    except UNREADABLE as e:
+        raise DatasetError(f"{path}: unreadable image ({unreadable_reason(e)}); remove the file, or set "
+                           f"data.skip_corrupt=true to check every image before training and skip unreadable "
+                           f"ones") from None
 
 
-def build_datasets(root, train_transform, val_transform):
-    """Train and val ImageFolders; val labels follow train's class indices (val may lack some classes)."""
+def image_folder(folder, transform):
+    """torchvision ImageFolder read with load_rgb, with errors that name the folder and what it must hold."""
+    try:
+        dataset = ImageFolder(str(folder), transform=transform, loader=load_rgb, allow_empty=True)
+    except FileNotFoundError:  # torchvision's find_classes: no class folders
+        raise DatasetError(f"{folder}: no class folders; an ImageFolder split holds one folder per class with that "
+                           f"class's images in it ({folder}/<class>/*.jpg|png|...)") from None
+    except OSError as e:
+        raise DatasetError(f"{folder}: cannot be listed ({e.strerror or e})") from None
+    counts = Counter(dataset.targets)
+    empty = [str(folder / name) for i, name in enumerate(dataset.classes) if not counts[i]]
+    if empty:
+        raise DatasetError(f"{', '.join(empty)}: no image files ({', '.join(IMG_EXTENSIONS)}); add images to each "
+                           f"class folder or remove the empty one(s)")
+    return dataset
+
+
+def skip_unreadable(dataset):
+    """Drop a dataset's unreadable images (each decoded once, see data/verify.py); return them as {path: reason}."""
+    folder = Path(dataset.root)
+    paths = [path for path, _ in dataset.samples]
+    bad = unreadable_images(folder, paths, folder.parent / f".verified-{folder.name}.json")
+    if len(bad) == len(paths):
+        path, reason = next(iter(bad.items()))
+        raise DatasetError(f"{folder}: none of its {len(bad)} images is readable (e.g. {path}: {reason}); replace "
+                           f"them with readable images")
+    dataset.samples = [(path, i) for path, i in dataset.samples if path not in bad]  # class indices unchanged
+    dataset.imgs, dataset.targets = dataset.samples, [i for _, i in dataset.samples]
+    return bad
+
+
+def skipped_message(skipped, shown=20):
+    """One warning listing the skipped images: the first `shown` with their reasons, then how many more."""
+    lines = [f"  {path}: {reason}" for path, reason in list(skipped.items())[:shown]]
+    if len(skipped) > shown:
+        lines.append(f"  ... and {len(skipped) - shown} more")
+    header = f"{colorstr('data:')} skipping {len(skipped)} unreadable image(s) (data.skip_corrupt=true):"
+    return "\n".join([header, *lines])
+
+
+def build_datasets(root, train_transform, val_transform, skip_corrupt=False):
+    """Train and val ImageFolders, unreadable images dropped if skip_corrupt; val labels follow train's class
+    indices (val may lack some classes)."""
     train_set = image_folder(split_dir(root, "train"), train_transform)
     val_set = image_folder(split_dir(root, "val"), val_transform)
     unknown = sorted(set(val_set.classes) - set(train_set.classes))
@@ -94,6 +141,10 @@ def build_datasets(root, train_transform, val_transform):
         val_set.samples = [(path, train_set.class_to_idx[val_set.classes[i]]) for path, i in val_set.samples]
         val_set.imgs, val_set.targets = val_set.samples, [i for _, i in val_set.samples]
         val_set.classes, val_set.class_to_idx = train_set.classes, train_set.class_to_idx
+    if skip_corrupt:
+        skipped = {**skip_unreadable(train_set), **skip_unreadable(val_set)}
+        if skipped and RANK == 0:  # every rank skipped the same files
+            LOGGER.warning(skipped_message(skipped))
     return train_set, val_set
 
 
@@ -104,21 +155,31 @@ def check_shareable(train_set, world_size=WORLD_SIZE):
                            f"processes; each needs at least one (use fewer processes or more images)")
 
 
-def build_dataloader(dataset, batch_size, train, seed, workers, device):
-    """DataLoader over this rank's share of dataset (see DistributedShuffleSampler); batch_size is per rank.
+def build_dataloader(dataset, batch_size, train, seed, workers, device, drop_last=False):
+    """DataLoader over this rank's share of dataset (see DistributedShuffleSampler); batch_size is global.
 
     For training the order is shuffled per epoch and each sample's augmentation seeded (see SeededSamples); call
     set_epoch(loader, epoch) before each epoch.
     """
-    sampler = DistributedShuffleSampler(len(dataset), RANK, WORLD_SIZE, shuffle=train, seed=seed)
-    # Worker w seeds torch, random and numpy with base + w, base drawn per epoch from this (seed, rank) generator;
-    # the transforms of training samples draw from SeededSamples' per-sample seeds instead.
-    generator = torch.Generator().manual_seed(seed + RANK)
-    return DataLoader(SeededSamples(dataset, seed) if train else dataset, batch_size=batch_size, sampler=sampler,
-                      num_workers=workers, pin_memory=device.type == "cuda", generator=generator)
+    sampler = DistributedShuffleSampler(len(dataset), RANK, WORLD_SIZE, shuffle=train, seed=seed,
+                                        batch_size=batch_size, drop_last=train and drop_last)
+    # Worker w seeds torch, random and numpy with base + w, base drawn from this generator, which set_epoch
+    # reseeds from (seed, epoch, rank); the transforms of training samples draw from SeededSamples' seeds instead.
+    generator = torch.Generator().manual_seed(seed_hash(seed, 0, RANK))
+    return DataLoader(SeededSamples(dataset, seed) if train else dataset, batch_size=batch_size // WORLD_SIZE,
+                      sampler=sampler, num_workers=workers, pin_memory=device.type == "cuda", generator=generator,
+                      worker_init_fn=ignore_stop_signals)
 
 
-def set_epoch(loader, epoch):
-    """Point a training loader's order and augmentation at epoch."""
-    loader.sampler.set_epoch(epoch)
+def ignore_stop_signals(worker_id):
+    """In a DataLoader worker: leave Ctrl-C and SIGTERM to the main process, which stops the run at a step
+    boundary and then ends its workers (a worker killed by Ctrl-C would crash the main process instead)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def set_epoch(loader, epoch, start_step=0):
+    """Point a training loader's order and augmentation at epoch, skipping its first start_step steps."""
+    loader.sampler.set_epoch(epoch, start_step)
     loader.dataset.set_epoch(epoch)
+    loader.generator.manual_seed(seed_hash(loader.sampler.seed, epoch, RANK))  # a resumed epoch draws the same

@@ -13,38 +13,50 @@ class DistributedShuffleSampler(Sampler):
     """Yield this rank's share of a dataset: positions rank, rank + world_size, ... of a permutation of it.
 
     The permutation depends only on (seed, epoch), so every rank draws the same one and the shares are disjoint
-    and together cover the dataset exactly once: nothing is padded or dropped, and ranks may differ by one
-    sample. With a per-rank batch of B / world_size, step i's batches across ranks are together exactly
-    positions [i*B, (i+1)*B) of the permutation, the same global batch at any world size.
+    and together cover the dataset exactly once: nothing is padded, and ranks may differ by one sample. With a
+    per-rank batch of batch_size / world_size, step i's batches across ranks are together exactly positions
+    [i*B, (i+1)*B) of the permutation, the same global batch at any world size. drop_last drops the permutation's
+    last partial global batch, so every rank takes the same number of steps. set_epoch(epoch, start_step) skips
+    the steps a resumed run has already done, without loading their images.
     """
 
-    def __init__(self, dataset_size, rank=0, world_size=1, shuffle=True, seed=0):
-        self.dataset_size, self.rank, self.world_size = dataset_size, rank, world_size
-        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+    def __init__(self, dataset_size, rank=0, world_size=1, shuffle=True, seed=0, batch_size=None, drop_last=False):
+        self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, shuffle, seed
+        self.batch_size = batch_size or world_size  # global batch: a multiple of world_size
+        self.size = dataset_size // self.batch_size * self.batch_size if drop_last else dataset_size
+        self.epoch, self.start_step = 0, 0
 
-    def set_epoch(self, epoch):
-        """Choose the epoch whose permutation the next iteration yields."""
-        self.epoch = epoch
+    def set_epoch(self, epoch, start_step=0):
+        """Choose the epoch whose permutation the next iteration yields, starting after start_step steps."""
+        self.epoch, self.start_step = epoch, start_step
 
     def permutation(self):
         """The epoch's global order of sample indices, identical on every rank."""
         if not self.shuffle:
-            return torch.arange(self.dataset_size)
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.dataset_size, generator=generator)
+            return torch.arange(self.size)
+        # A hash, not seed + epoch: seed 1 is then not seed 0 shifted by one epoch.
+        generator = torch.Generator().manual_seed(seed_hash(self.seed, self.epoch))
+        return torch.randperm(self.size, generator=generator)  # drop_last: a prefix of the full permutation
 
     def __iter__(self):
-        return iter(self.permutation()[self.rank :: self.world_size].tolist())
+        share = self.permutation()[self.rank :: self.world_size]
+        return iter(share[self.start_step * self.batch_size // self.world_size :].tolist())
 
     def __len__(self):
-        return max(0, math.ceil((self.dataset_size - self.rank) / self.world_size))
+        return max(0, self.share_size(self.rank) - self.start_step * self.batch_size // self.world_size)
 
+    def share_size(self, rank):
+        """Samples in rank's share of an epoch."""
+        return max(0, math.ceil((self.size - rank) / self.world_size))
 
-def epoch_steps(dataset_size, rank_batch, world_size):
-    """(most, fewest) steps a rank takes per epoch over its share: ranks differ by at most one step."""
-    most = math.ceil(math.ceil(dataset_size / world_size) / rank_batch)
-    fewest = math.ceil(dataset_size // world_size / rank_batch)
-    return most, fewest
+    def steps(self):
+        """(most, fewest) steps a rank takes per epoch: ranks differ by at most one step (never with drop_last)."""
+        rank_batch = self.batch_size // self.world_size
+        return math.ceil(self.share_size(0) / rank_batch), math.ceil(self.share_size(self.world_size - 1) / rank_batch)
+
+    def step_samples(self, step):
+        """Samples in global step `step` over all ranks: the batch size, or fewer in the last, partial step."""
+        return min(self.batch_size, self.size - step * self.batch_size)
 
 
 class SeededSamples(Dataset):
@@ -78,11 +90,19 @@ class SeededSamples(Dataset):
 
 
 def sample_seed(seed, epoch, index):
-    """A well-mixed 32-bit seed for one sample in one epoch (torch's CPU generator keeps 32 bits of a seed).
+    """A well-mixed 32-bit seed for one sample in one epoch (torch's CPU generator keeps 32 bits of a seed)."""
+    return seed_hash(seed, epoch, index) & 0xFFFFFFFF
 
-    Hashed with SplitMix64 rather than numpy's SeedSequence, which costs more than augmenting an 8x8 image.
+
+def seed_hash(*values):
+    """A well-mixed 64-bit seed from non-negative integers, each changing about half its bits.
+
+    Chained SplitMix64 rather than numpy's SeedSequence, which costs more than augmenting an 8x8 image.
     """
-    return splitmix64(splitmix64(splitmix64(seed) ^ epoch) ^ index) & 0xFFFFFFFF
+    x = 0
+    for value in values:
+        x = splitmix64(x ^ value)
+    return x
 
 
 def splitmix64(x):

@@ -23,7 +23,7 @@ def model_names():
 def build_model(cfg, num_classes):
     """A randomly initialised classifier for num_classes classes from the recipe's model section."""
     if cfg.name == "convnet":
-        return ConvNet(num_classes, width=cfg.width, depth=cfg.depth, dropout=cfg.dropout)
+        return ConvNet(num_classes, width=cfg.width, depth=cfg.depth, dropout=cfg.dropout, norm=cfg.norm)
     # weights=None: nothing is downloaded; these machines may have no internet
     return torchvision.models.get_model(cfg.name, weights=None, num_classes=num_classes,
                                         **MAIN_HEAD_ONLY.get(cfg.name, {}))

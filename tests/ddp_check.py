@@ -1,7 +1,9 @@
 """Run under torchrun by test_distributed.py: train on uneven shares, then report what every rank holds.
 
-Writes JSON to argv[1] (rank 0): per rank the flat weights, optimizer momentum and learning rate after
-training, and the validation totals next to a single-process reference computed on rank 0.
+For each case (training images, global batch), rank 1 takes one step fewer per epoch than rank 0, running out
+after its first, second or a later step. Writes JSON to argv[1] (rank 0): per case and rank the flat weights,
+optimizer momentum and learning rate after training, and the validation totals next to a single-process
+reference computed on rank 0.
 """
 
 import json
@@ -17,12 +19,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data.datasets import build_dataloader, set_epoch  # noqa: E402
 from data.transforms import normalizer  # noqa: E402
 from models import build_model  # noqa: E402
-from train import train_one_epoch  # noqa: E402
+from train import TrainState, keep_ranks_in_step, train_one_epoch  # noqa: E402
 from utils.config import load_recipe  # noqa: E402
 from utils.metrics import evaluate  # noqa: E402
 from utils.optim import build_optimizer, build_scheduler  # noqa: E402
-from utils.torch_utils import (RANK, WORLD_SIZE, broadcast_buffers, cleanup_distributed, de_parallel,  # noqa: E402
-                               grad_scaler, init_seeds, setup_distributed, smart_DDP)
+from utils.stopping import StopVote  # noqa: E402
+from utils.torch_utils import (RANK, WORLD_SIZE, cleanup_distributed, de_parallel, grad_scaler,  # noqa: E402
+                               init_seeds, setup_distributed, smart_DDP)
+
+CASES = [(3, 2), (9, 4), (21, 4)]  # rank 1 runs out after step 1, 2 and 5 of 2, 3 and 6
 
 
 def images(n, seed):
@@ -31,38 +36,44 @@ def images(n, seed):
                          torch.randint(0, 3, (n,), generator=g))
 
 
-def main(out, n_train, n_val, batch, epochs):
-    device = torch.device("cpu")
-    setup_distributed(device)
+def run_case(n_train, n_val, batch, epochs, device):
     init_seeds(RANK)
     cfg = load_recipe("cls.yaml", [f"train.epochs={epochs}", "model.width=4", "model.depth=2"])
     train_set, val_set = images(n_train, 0), images(n_val, 1)
-    train_loader = build_dataloader(train_set, batch // WORLD_SIZE, True, 0, 0, device)
-    val_loader = build_dataloader(val_set, batch // WORLD_SIZE, False, 0, 0, device)
+    train_loader = build_dataloader(train_set, batch, True, 0, 0, device)
+    val_loader = build_dataloader(val_set, batch, False, 0, 0, device)
     normalize = normalizer(cfg.data, device)
     model = build_model(cfg.model, 3)
     optimizer = build_optimizer(model, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.sched, epochs, -(-n_train // batch))
-    model = smart_DDP(model, device) if WORLD_SIZE > 1 else model
-    criterion = torch.nn.CrossEntropyLoss()
-    for epoch in range(epochs):
-        set_epoch(train_loader, epoch)
-        train_one_epoch(model, train_loader, normalize, criterion, optimizer, scheduler, grad_scaler(device, None),
-                        device, None, cfg, epoch)
-    net = de_parallel(model)
-    broadcast_buffers(net)
-    metrics = evaluate(net, val_loader, normalize, 3, device)
-    momentum = [optimizer.state[p]["momentum_buffer"].flatten() for p in net.parameters()]
-    report = {"weights": torch.cat([t.flatten() for t in net.state_dict().values()]).double().tolist(),
+    scheduler = build_scheduler(optimizer, cfg.sched, epochs, train_loader.sampler.steps()[0])
+    state = TrainState(smart_DDP(model, device), optimizer, scheduler, grad_scaler(device, None))
+    criterion = torch.nn.CrossEntropyLoss(reduction="sum")
+    with StopVote(device) as vote:
+        for epoch in range(epochs):
+            set_epoch(train_loader, epoch)
+            train_one_epoch(state, train_loader, normalize, criterion, None, cfg, epoch, vote, None)
+            keep_ranks_in_step(state, train_loader, epoch)
+            state.step = 0
+    metrics = evaluate(model, val_loader, normalize, 3, device)
+    momentum = [optimizer.state[p]["momentum_buffer"].flatten() for p in model.parameters()]
+    report = {"weights": torch.cat([t.flatten() for t in model.state_dict().values()]).double().tolist(),
               "momentum": torch.cat(momentum).tolist(), "lr": optimizer.param_groups[0]["lr"],
-              "train_share": list(train_loader.sampler), "metrics": metrics}
+              "steps": train_loader.sampler.steps(), "train_share": list(train_loader.sampler),
+              "metrics": metrics}
     # Reference: every rank evaluates the whole val set without the sampler (summed over ranks, the means are
     # unchanged; the count is WORLD_SIZE times the set).
-    reference = evaluate(net, DataLoader(val_set, batch_size=5), normalize, 3, device)
+    reference = evaluate(de_parallel(model), DataLoader(val_set, batch_size=5), normalize, 3, device)
     reports = [None] * WORLD_SIZE
     dist.all_gather_object(reports, report)
+    return {"ranks": reports, "reference": reference}
+
+
+def main(out, n_val, epochs):
+    device = torch.device("cpu")
+    setup_distributed()
+    results = [run_case(n_train, n_val, batch, epochs, device) for n_train, batch in CASES]
     if RANK == 0:
-        Path(out).write_text(json.dumps({"ranks": reports, "reference": reference}))
+        Path(out).write_text(json.dumps(results))
     cleanup_distributed()
 
 

@@ -2,22 +2,32 @@
 
 import json
 
+import pytest
+
 from conftest import run_torchrun
+from ddp_check import CASES
 
 
-def test_uneven_shares_keep_ranks_identical_and_validation_exact(tmp_path):
-    # 9 training samples, global batch 4: rank 0 takes 5 (3 steps), rank 1 takes 4 (2 steps); 7 val samples.
-    out = tmp_path / "report.json"
-    result = run_torchrun("tests/ddp_check.py", out, 9, 7, 4, 3)
+@pytest.fixture(scope="module")
+def uneven_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp") / "report.json"
+    result = run_torchrun("tests/ddp_check.py", out, 7, 3)
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(out.read_text())
-    rank0, rank1 = report["ranks"]
-    assert sorted(rank0["train_share"] + rank1["train_share"]) == list(range(9))
-    assert (len(rank0["train_share"]), len(rank1["train_share"])) == (5, 4)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_uneven_shares_keep_ranks_identical_and_validation_exact(uneven_report, case):
+    # Rank 0 holds one sample more than rank 1, which runs out one step earlier: after its 1st, 2nd or 5th step.
+    n_train, batch = CASES[case]
+    rank0, rank1 = uneven_report[case]["ranks"]
+    assert sorted(rank0["train_share"] + rank1["train_share"]) == list(range(n_train))
+    most, fewest = rank0["steps"]
+    assert most == fewest + 1 and fewest == [1, 2, 5][case]
     assert rank0["weights"] == rank1["weights"]  # bit-identical models after uneven epochs
     assert rank0["momentum"] == rank1["momentum"]  # and identical optimizer state
     assert rank0["lr"] == rank1["lr"]  # the short rank kept the schedule in step
     for metrics in (rank0["metrics"], rank1["metrics"]):
         assert metrics["val/samples"] == 7  # each val sample counted exactly once, none padded
-        assert abs(metrics["val/top1"] - report["reference"]["val/top1"]) < 1e-12
-        assert abs(metrics["val/loss"] - report["reference"]["val/loss"]) < 1e-6
+        assert abs(metrics["val/top1"] - uneven_report[case]["reference"]["val/top1"]) < 1e-12
+        assert abs(metrics["val/loss"] - uneven_report[case]["reference"]["val/loss"]) < 1e-6

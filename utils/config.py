@@ -8,7 +8,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from utils.general import ROOT, WORLD_SIZE, UsageError
+from utils.general import ROOT, WORLD_SIZE, SharedError
 
 RECIPES_DIR = ROOT / "recipes"
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
@@ -21,6 +21,8 @@ class ModelConfig:
     width: int = 32  # convnet: channels of the first stage, doubled at each following stage
     depth: int = 3  # convnet: number of stages (two 3x3 convs each); a 2x max-pool sits between stages
     dropout: float = 0.0  # convnet: dropout before the classifier
+    norm: str = "batch"  # convnet: batch, group (per-sample statistics, the same at any number of processes) or none
+    sync_bn: bool = False  # CUDA, several processes: BatchNorm statistics over the global batch (SyncBatchNorm)
 
 
 @dataclass
@@ -33,6 +35,8 @@ class DataConfig:
     mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))  # per-channel normalisation mean (RGB)
     std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))  # per-channel normalisation std (RGB)
     workers: int = 4  # DataLoader workers per process; lowered (with a warning) so workers + threads fit the cores
+    drop_last: bool = False  # train: drop each epoch's last partial global batch (so no step sees a batch of one)
+    skip_corrupt: bool = False  # check each image once first (in parallel, cached next to the data); skip unreadable ones
 
 
 @dataclass
@@ -42,6 +46,7 @@ class TrainConfig:
     label_smoothing: float = 0.0  # cross-entropy label smoothing
     precision: str = "fp32"  # fp32, bf16 (autocast: GPUs, CPUs with AMX or AVX512-BF16) or fp16 (autocast + GradScaler; CUDA)
     deterministic: bool = True  # ask torch for deterministic kernels (reproducible runs; may be slower on GPU)
+    save_every_steps: int = 0  # also save weights/last.pt every this many steps within an epoch; 0: at epoch ends only
 
 
 @dataclass
@@ -74,13 +79,18 @@ class Recipe:
     name: str = "exp"  # run name, incremented (exp, exp2, ...) when taken
 
 
-class RecipeError(UsageError):
+# What a resumed run may change: none of these changes what the run has trained so far.
+RESUME_KEYS = ("train.epochs", "train.save_every_steps", "data.workers", "device", "project", "name")
+
+
+class RecipeError(SharedError):
     """A recipe that cannot be used, with a message naming the key and the file."""
 
 
 def find_recipe(recipe, relative_to=None):
-    """Path of a recipe given as a path, else as a name inside relative_to or recipes/ ('.yaml' may be left off)."""
-    folders = [Path(), *([Path(relative_to)] if relative_to is not None else []), RECIPES_DIR]
+    """Path of a recipe given as a path (relative to relative_to, e.g. the folder of the recipe naming it as its
+    base, else to the current directory), else as a name in recipes/ ('.yaml' may be left off)."""
+    folders = [Path(relative_to) if relative_to is not None else Path(), RECIPES_DIR]
     names = [recipe] if recipe.endswith((".yaml", ".yml")) else [recipe, f"{recipe}.yaml"]
     for path in (folder / name for folder in folders for name in names):
         if path.is_file():
@@ -150,11 +160,42 @@ def load_recipe(recipe, overrides=()):
     for source, layer in recipe_layers(path):
         cfg = merge_layer(cfg, layer, source)
     cfg = merge_layer(cfg, parse_overrides(overrides), "command line")
+    return checked(cfg, f"{path} (with command-line overrides)" if overrides else str(path))
+
+
+def load_resumed_recipe(saved, overrides=(), source="checkpoint"):
+    """The recipe saved in a checkpoint, with key=value overrides of RESUME_KEYS only; validated and read-only."""
+    cfg = merge_layer(OmegaConf.structured(Recipe), saved, f"{source} recipe")
+    resumed = merge_layer(cfg, parse_overrides(overrides), "command line")
+    check_resumable(cfg, resumed, "command line")
+    return checked(resumed, f"{source} recipe (with command-line overrides)" if overrides else f"{source} recipe")
+
+
+def check_resumable(saved, resumed, source):
+    """Refuse a resumed recipe that changes anything but RESUME_KEYS, naming the first such key."""
+    for key in flat_keys(OmegaConf.to_container(resumed)):
+        old, new = OmegaConf.select(saved, key), OmegaConf.select(resumed, key)
+        if old != new and key not in RESUME_KEYS:
+            raise RecipeError(f"{source}: {key}={new!r} cannot change on resume: the run so far was trained with "
+                              f"{key}={old!r}; only {', '.join(RESUME_KEYS)} may change (start a new run for the "
+                              f"others)")
+
+
+def flat_keys(tree, prefix=""):
+    """Dotted keys of the leaves of a nested dict: {'a': {'b': 1}} -> ['a.b']."""
+    keys = []
+    for name, value in tree.items():
+        keys += flat_keys(value, f"{prefix}{name}.") if isinstance(value, dict) else [f"{prefix}{name}"]
+    return keys
+
+
+def checked(cfg, source):
+    """Resolve interpolations, check values, and make the config read-only."""
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
-        raise RecipeError(f"{path}: cannot resolve interpolation: {str(e).splitlines()[0]}") from None
-    check_values(cfg, f"{path} (with command-line overrides)" if overrides else str(path))
+        raise RecipeError(f"{source}: cannot resolve interpolation: {str(e).splitlines()[0]}") from None
+    check_values(cfg, source)
     OmegaConf.set_readonly(cfg, True)
     return cfg
 
@@ -172,6 +213,7 @@ def check_values(cfg, source):
             f"'convnet' or a torchvision classification model{close_to(cfg.model.name, model_names())}")
     require(cfg.model.width >= 1 and cfg.model.depth >= 1, "model.width", "positive (and so must model.depth)")
     require(0 <= cfg.model.dropout < 1, "model.dropout", "in [0, 1)")
+    require(cfg.model.norm in ("batch", "group", "none"), "model.norm", "batch, group or none")
     require(cfg.data.img_size >= 1, "data.img_size", "a positive number of pixels")
     require(len(cfg.data.scale) == 2 and 0 < cfg.data.scale[0] <= cfg.data.scale[1] <= 1, "data.scale",
             "[min, max] with 0 < min <= max <= 1")
@@ -185,6 +227,7 @@ def check_values(cfg, source):
     require(cfg.train.batch_size % WORLD_SIZE == 0, "train.batch_size",
             f"a multiple of the {WORLD_SIZE} processes (the global batch is split evenly between them)")
     require(0 <= cfg.train.label_smoothing < 1, "train.label_smoothing", "in [0, 1)")
+    require(cfg.train.save_every_steps >= 0, "train.save_every_steps", ">= 0 (0 saves at epoch ends only)")
     require(cfg.train.precision in ("fp32", "bf16", "fp16"), "train.precision", "one of fp32, bf16, fp16")
     require(cfg.optim.name in ("sgd", "adamw"), "optim.name", "sgd or adamw")
     require(cfg.optim.lr > 0, "optim.lr", "> 0")

@@ -30,6 +30,10 @@ class UsageError(ValueError):
     """Bad input (recipe, data, device): reported as one line naming what is wrong, exit code 2."""
 
 
+class SharedError(UsageError):
+    """An error every rank raises together (a bad recipe, or one rank 0 met and shared): reported once."""
+
+
 def error_line(error):
     """The one-line message of an error; for one re-raised from a DataLoader worker (whose message is the worker's
     whole traceback), the original message at its end."""

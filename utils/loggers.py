@@ -1,6 +1,7 @@
 """Rank 0's record of a run: results.csv, TensorBoard scalars and images, and the console summary line."""
 
 import csv
+import os
 import textwrap
 
 from torch.utils.tensorboard import SummaryWriter
@@ -10,12 +11,20 @@ COLUMNS = ["epoch", "train/loss", "val/loss", "val/top1", "val/top5", "lr", "epo
 
 
 class RunLogger:
-    """Appends one row per epoch to results.csv and the same scalars to TensorBoard event files in run_dir."""
+    """Appends one row per epoch to results.csv and the same scalars to TensorBoard event files in run_dir.
 
-    def __init__(self, run_dir, recipe_yaml):
+    A resumed run (epochs_done given) continues the record of epochs 1..epochs_done: later rows, written before
+    the run stopped, are dropped from results.csv, and TensorBoard hides the events of later epochs (purge_step).
+    """
+
+    def __init__(self, run_dir, recipe_yaml, epochs_done=None):
         self.csv_path = run_dir / "results.csv"
-        self.tb = SummaryWriter(str(run_dir))
-        self.tb.add_text("recipe", textwrap.indent(recipe_yaml, "    "))  # indented: markdown shows it as code
+        if epochs_done is None:
+            self.tb = SummaryWriter(str(run_dir))
+            self.tb.add_text("recipe", textwrap.indent(recipe_yaml, "    "))  # indented: markdown shows it as code
+        else:
+            keep_rows(self.csv_path, epochs_done)
+            self.tb = SummaryWriter(str(run_dir), purge_step=epochs_done + 1)
 
     def log_epoch(self, metrics):
         """Record an epoch's metrics (a dict with every name in COLUMNS; None for a metric not computed)."""
@@ -37,6 +46,18 @@ class RunLogger:
     def close(self):
         """Flush and close the TensorBoard writer."""
         self.tb.close()
+
+
+def keep_rows(csv_path, epochs):
+    """Rewrite results.csv (atomically) with only the rows of epochs 1..epochs."""
+    if not csv_path.exists():
+        return
+    with open(csv_path, newline="") as f:
+        rows = list(csv.reader(f))
+    tmp = csv_path.with_name(f"{csv_path.name}.tmp")
+    with open(tmp, "w", newline="") as f:
+        csv.writer(f).writerows([rows[0], *(row for row in rows[1:] if int(row[0]) <= epochs)])
+    os.replace(tmp, csv_path)
 
 
 def format_value(value):

@@ -1,7 +1,10 @@
 """Optimizer and learning-rate schedule from the recipe's optim and sched sections."""
 
+import math
+from functools import partial
+
 import torch
-from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
+from torch.optim.lr_scheduler import LambdaLR
 
 
 def build_optimizer(model, cfg):
@@ -15,12 +18,20 @@ def build_optimizer(model, cfg):
 
 
 def build_scheduler(optimizer, cfg, epochs, steps_per_epoch):
-    """Linear warmup from lr * warmup_factor to lr, then cosine decay to lr * min_lr_factor; stepped per iteration."""
+    """Linear warmup from lr * warmup_factor to lr, then cosine decay to lr * min_lr_factor; stepped per iteration.
+
+    The factor is a closed form of the step (LambdaLR), so the scheduler's state is one step count: a run resumed
+    with more train.epochs follows the longer schedule from where it stopped.
+    """
     total = epochs * steps_per_epoch
     warmup = min(round(cfg.warmup_epochs * steps_per_epoch), total - 1)
-    lr = optimizer.param_groups[0]["lr"]
-    cosine = CosineAnnealingLR(optimizer, T_max=total - warmup, eta_min=lr * cfg.min_lr_factor)
-    if warmup == 0:
-        return cosine
-    linear = LinearLR(optimizer, start_factor=cfg.warmup_factor, end_factor=1.0, total_iters=warmup)
-    return SequentialLR(optimizer, [linear, cosine], milestones=[warmup])
+    return LambdaLR(optimizer, partial(warmup_cosine, warmup=warmup, total=total, start=cfg.warmup_factor,
+                                       end=cfg.min_lr_factor))
+
+
+def warmup_cosine(step, warmup, total, start, end):
+    """Factor of the peak lr at `step`: linear from start to 1 over warmup steps, then cosine from 1 to end."""
+    if step < warmup:
+        return start + (1 - start) * step / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return end + (1 - end) * (1 + math.cos(math.pi * progress)) / 2

@@ -3,17 +3,24 @@
 import os
 import random
 from contextlib import contextmanager, nullcontext
+from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from utils.general import LOGGER, RANK, WORLD_SIZE, UsageError, cpu_count  # noqa: F401 (RANK: for importers)
+from utils.general import LOGGER, RANK, WORLD_SIZE, SharedError, UsageError, cpu_count, error_line
 
 # Set by torchrun; absent means one process.
 LOCAL_RANK = int(os.getenv("LOCAL_RANK", 0))
 LOCAL_WORLD_SIZE = int(os.getenv("LOCAL_WORLD_SIZE", 1))  # processes on this machine
+RESTART_COUNT = int(os.getenv("TORCHELASTIC_RESTART_COUNT", 0))  # > 0: torchrun restarted the workers after a failure
+RUN_ID = os.getenv("TORCHELASTIC_RUN_ID")  # the torchrun job (--rdzv-id; with --standalone, one per launch)
+# How long a rank waits at a collective for the others. No rank works alone for long (validation and data checks are
+# shared, rank 0 only saves), so a rank that waits this long waits for one that is stuck.
+DIST_TIMEOUT = timedelta(minutes=10)
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -32,17 +39,25 @@ def select_device(device="auto", local_rank=LOCAL_RANK):
     return torch.device("cuda", local_rank)
 
 
-def distributed_backend(device):
-    """nccl for CUDA devices, gloo otherwise."""
-    return "nccl" if device.type == "cuda" else "gloo"
+def distributed_backend(cuda_available):
+    """gloo for CPU tensors, and nccl for GPU tensors where there is CUDA (one group holds both)."""
+    return "cpu:gloo,cuda:nccl" if cuda_available else "gloo"
 
 
-def setup_distributed(device):
-    """Join the process group that torchrun describes in the environment; nothing to do for one process."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before any collective, so nccl uses this rank's GPU
+def setup_distributed():
+    """Join the process group that torchrun describes in the environment; nothing to do for one process.
+
+    Joined before the recipe is read, so rank 0 alone can read a checkpoint and share it; object collectives
+    and barriers use gloo, so the device need not be chosen yet.
+    """
     if WORLD_SIZE > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=distributed_backend(device))
+        dist.init_process_group(backend=distributed_backend(torch.cuda.is_available()), timeout=DIST_TIMEOUT)
+
+
+def set_device(device):
+    """Make device this process's GPU (before any nccl collective), if it is one."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def cleanup_distributed():
@@ -68,6 +83,23 @@ def set_threads(requested_workers, cores=None, procs_per_machine=LOCAL_WORLD_SIZ
     return threads, workers
 
 
+def rng_states():
+    """This process's random generator states (python, numpy, torch CPU and CUDA) as plain, weights_only-safe values."""
+    np_state = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_states(states):
+    """Restore states saved by rng_states()."""
+    random.setstate((states["python"][0], tuple(states["python"][1]), states["python"][2]))
+    name, keys, *rest = states["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"][: torch.cuda.device_count()])
+
+
 def init_seeds(seed=0, deterministic=False):
     """Seed python, numpy and torch; optionally ask torch for deterministic kernels."""
     random.seed(seed)
@@ -86,10 +118,20 @@ def smart_DDP(model, device):
         raise RuntimeError("torch==1.12.0 DDP training is not supported due to a known issue; upgrade or "
                            "downgrade torch. See https://github.com/ultralytics/yolov5/issues/8395")
     device_ids = [device.index] if device.type == "cuda" else None  # device_ids must be None for CPU modules
-    # static_graph (torch>=1.11) lets DDP overlap and reuse its communication plan; our models use every
-    # parameter in every step, which is what it requires.
-    static = {"static_graph": True} if torch.__version__ >= "1.11" else {}
-    return DDP(model, device_ids=device_ids, output_device=device_ids and device_ids[0], **static)
+    # No static_graph: with it, a rank that joins (join(), for uneven shares) before its first step of a DDP
+    # instance, as one resumed on an epoch's last step can, mismatches the others' collectives; and it measured
+    # no faster here.
+    return DDP(model, device_ids=device_ids, output_device=device_ids and device_ids[0])
+
+
+def sync_batchnorm(model, enabled, device):
+    """With model.sync_bn on several GPUs, BatchNorm statistics are computed over the global batch (SyncBatchNorm)."""
+    if not enabled:
+        return model
+    if device.type != "cuda":
+        raise UsageError("model.sync_bn=true needs CUDA devices (SyncBatchNorm runs on GPUs only); on CPU use "
+                         "model.norm=group for statistics that do not depend on the number of processes")
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model) if WORLD_SIZE > 1 else model
 
 
 def de_parallel(model):
@@ -122,6 +164,30 @@ def broadcast_object(obj, src=0):
     return box[0]
 
 
+def on_rank0(fn, *args):
+    """Run fn(*args) on rank 0 alone and return its result on every rank. A UsageError or OSError it raises is
+    raised on every rank as one SharedError, so no rank is left waiting for a rank that has failed."""
+    result, error = None, None
+    if RANK == 0:
+        try:
+            result = fn(*args)
+        except (UsageError, OSError) as e:
+            error = error_line(e)
+    result, error = broadcast_object((result, error))
+    if error is not None:
+        raise SharedError(error)
+    return result
+
+
+def gather_object(obj):
+    """[obj of rank 0, obj of rank 1, ...] on every rank ([obj] for one process)."""
+    if not dist.is_initialized():
+        return [obj]
+    objects = [None] * dist.get_world_size()
+    dist.all_gather_object(objects, obj)
+    return objects
+
+
 def all_reduce_sum(tensor):
     """Sum a tensor over all ranks in place and return it (a no-op for one process)."""
     if dist.is_initialized():
@@ -134,6 +200,12 @@ def broadcast_buffers(model, src=0):
     if dist.is_initialized():
         for buffer in model.buffers():
             dist.broadcast(buffer, src=src)
+
+
+def broadcast_scaler_state(scaler, src=0):
+    """Copy rank src's GradScaler state (scale, growth tracker) to every rank, so all unscale and skip alike."""
+    if dist.is_initialized() and scaler.is_enabled():
+        scaler.load_state_dict(broadcast_object(scaler.state_dict(), src))
 
 
 def broadcast_optimizer_state(optimizer, src=0):

@@ -1,0 +1,105 @@
+"""Image decoding that says why a file is unreadable, and the check behind data.skip_corrupt: every image decoded
+once before training, shared out over ranks and threads, with the results cached next to the data."""
+
+import json
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from pathlib import Path
+
+import torch.distributed as dist
+from PIL import Image, UnidentifiedImageError
+
+from utils.general import LOGGER, colorstr, cpu_count
+from utils.torch_utils import LOCAL_WORLD_SIZE, RANK, WORLD_SIZE, broadcast_object
+
+# What PIL raises for a file it cannot decode (truncated, not an image, corrupt data, a decompression bomb).
+UNREADABLE = (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError)
+CACHE_VERSION = 1
+
+
+def decode(path):
+    """A fully decoded RGB image: Image.open reads only the header, convert() reads and decodes the pixels."""
+    with Image.open(path) as image:
+        return image.convert("RGB")
+
+
+def unreadable_reason(error):
+    """Why PIL could not read a file, in a few words (its own message for an unknown format repeats the path)."""
+    if isinstance(error, UnidentifiedImageError):
+        return "not an image format PIL can identify"
+    return str(error) or type(error).__name__
+
+
+def check_file(path, cached=None):
+    """[size, mtime_ns, reason] of one file (reason None: readable); decoded only if cached is not its current
+    [size, mtime_ns, ...]."""
+    try:
+        stat = os.stat(path)
+    except OSError as e:
+        return [None, None, e.strerror or str(e)]
+    key = [stat.st_size, stat.st_mtime_ns]
+    if cached is not None and cached[:2] == key:
+        return cached
+    try:
+        decode(path)
+    except UNREADABLE as e:
+        return [*key, unreadable_reason(e)]
+    return [*key, None]
+
+
+def unreadable_images(folder, paths, cache_file):
+    """{path: reason} of the unreadable files among paths (in their order), the same on every rank.
+
+    Each rank checks its share paths[RANK::WORLD_SIZE] over a thread pool (PIL releases the GIL while decoding),
+    reusing cache_file's results for files whose size and mtime are unchanged; rank 0 reads the cache for all
+    (the ranks need not share a disk) and saves the pooled results.
+    """
+    cache = broadcast_object(read_cache(cache_file) if RANK == 0 else None)
+    names = [os.path.relpath(path, folder) for path in paths]
+    share = range(RANK, len(paths), WORLD_SIZE)
+    with ThreadPoolExecutor(max(1, cpu_count() // LOCAL_WORLD_SIZE)) as pool:  # this process's share of the cores
+        checked = pool.map(lambda i: check_file(paths[i], cache.get(names[i])), share)
+        entries = {names[i]: entry for i, entry in zip(share, checked)}
+    pooled = {name: entry for part in all_gather_object(entries) for name, entry in part.items()}
+    entries = {name: pooled[name] for name in names}  # in the dataset's order, whichever rank checked them
+    if RANK == 0:
+        decoded = sum(entry != cache.get(name) for name, entry in entries.items())
+        LOGGER.info(f"{colorstr('data:')} {folder}: {len(paths)} images checked: {decoded} decoded, "
+                    f"{len(paths) - decoded} known from {cache_file.name}")
+        if entries != cache:
+            write_cache(cache_file, entries)
+    return {path: entries[name][2] for path, name in zip(paths, names) if entries[name][2] is not None}
+
+
+def all_gather_object(obj):
+    """Every rank's obj, in rank order (a one-element list for one process)."""
+    if not dist.is_initialized():
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def read_cache(cache_file):
+    """A split's cached {name: [size, mtime_ns, reason]}, or {} when there is none or it cannot be read."""
+    try:
+        content = json.loads(Path(cache_file).read_text())
+        files = content["files"] if content.get("version") == CACHE_VERSION else {}
+        return {name: entry for name, entry in files.items() if isinstance(entry, list) and len(entry) == 3}
+    except (OSError, ValueError, KeyError, AttributeError):
+        return {}
+
+
+def write_cache(cache_file, entries):
+    """Save the results atomically (temporary file, then os.replace); a read-only data folder only skips it."""
+    tmp = cache_file.with_name(f"{cache_file.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps({"version": CACHE_VERSION, "files": entries}, separators=(",", ":")))
+        os.replace(tmp, cache_file)
+    except OSError as e:
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        LOGGER.info(f"{colorstr('data:')} {cache_file}: not written ({e.strerror or e}); the images will be "
+                    f"decoded again next run")

@@ -1,0 +1,115 @@
+"""Run train.py with a fault injected at an exact point, for tests of what survives it.
+
+    python tests/faults.py FAULT train.py ARGS...           (or as the script torchrun launches)
+
+FAULT, where K counts rank 0's saves of weights/last.pt and S the training steps this process has voted on since
+it started (1-based; see StopVote):
+    killpg-after-save:K      rank 0 SIGKILLs its whole process group (torchrun and every rank) right after save K
+    killpg-in-save:K         ... during save K: the temporary file is written, not yet renamed into place
+    enospc-in-save:K         rank 0's save K fails with 'No space left on device'
+    signal-at-step:S:NAME    rank 0 sends signal NAME (SIGTERM, SIGINT) to its process group during step S, as a
+                             scheduler's preemption or a Ctrl-C in the terminal does
+    kill-rank-at-step:S:R    on torchrun's first attempt only, rank R SIGKILLs itself during step S
+    nan-loss-at-step:S:R     rank R's training loss is nan in its S-th step
+"""
+
+import errno
+import os
+import runpy
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import utils.checkpoint  # noqa: E402
+import utils.stopping  # noqa: E402
+from utils.torch_utils import RANK, RESTART_COUNT  # noqa: E402
+
+counts = {"save": 0, "step": 0}
+
+
+def on_save(action):
+    """Wrap save_checkpoint so that action runs at rank 0's K-th save of last.pt."""
+    def wrap(k):
+        original = utils.checkpoint.save_checkpoint
+
+        def save(state, path):
+            counts["save"] += Path(path).name == "last.pt"
+            return action(original, state, path) if counts["save"] == k else original(state, path)
+        utils.checkpoint.save_checkpoint = save
+    return wrap
+
+
+def on_step(action):
+    """Wrap StopVote.cast (called once per voted step) so that action() runs during step S."""
+    def wrap(s, *args):
+        original = utils.stopping.StopVote.cast
+
+        def cast(self, loss, step):
+            counts["step"] += 1
+            if counts["step"] == int(s):
+                action(*args)
+            return original(self, loss, step)
+        utils.stopping.StopVote.cast = cast
+    return wrap
+
+
+def killpg():
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def save_then_killpg(original, state, path):
+    original(state, path)
+    killpg()
+
+
+def killpg_before_rename(original, state, path):
+    utils.checkpoint.os.replace = lambda *a: killpg()  # the temporary file is complete; the rename never happens
+    original(state, path)
+
+
+def fail_with_enospc(original, state, path):
+    real_fsync = utils.checkpoint.os.fsync
+
+    def fsync(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    utils.checkpoint.os.fsync = fsync
+    try:
+        original(state, path)
+    finally:
+        utils.checkpoint.os.fsync = real_fsync
+
+
+def send_signal(name):
+    if RANK == 0:
+        os.killpg(os.getpgid(0), getattr(signal, name))
+
+
+def kill_rank(rank):
+    if RANK == int(rank) and RESTART_COUNT == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def nan_loss_at_step(s, rank):
+    original = torch.nn.CrossEntropyLoss.forward
+    calls = {"n": 0}
+
+    def forward(self, logits, targets):
+        calls["n"] += 1
+        loss = original(self, logits, targets)
+        return loss * float("nan") if calls["n"] == int(s) and RANK == int(rank) else loss
+    torch.nn.CrossEntropyLoss.forward = forward
+
+
+FAULTS = {"killpg-after-save": on_save(save_then_killpg), "killpg-in-save": on_save(killpg_before_rename),
+          "enospc-in-save": on_save(fail_with_enospc), "signal-at-step": on_step(send_signal),
+          "kill-rank-at-step": on_step(kill_rank), "nan-loss-at-step": nan_loss_at_step}
+
+if __name__ == "__main__":
+    name, *args = sys.argv[1].split(":")
+    FAULTS[name](*(int(a) if name.endswith("save") else a for a in args))
+    sys.argv = sys.argv[2:]
+    runpy.run_path(sys.argv[0], run_name="__main__")

@@ -1,0 +1,81 @@
+"""Stopping together: a stop signal (preemption's SIGTERM, Ctrl-C's SIGINT) or a non-finite loss on any rank stops
+every rank after the same step, where the run can save and exit cleanly."""
+
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from utils.general import LOGGER
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopVote:
+    """Each step every rank casts a vote (a stop signal arrived; this step's loss is not finite); the votes are
+    combined over ranks in the background and counted one step later, so neither host nor device waits for them.
+
+    Use as a context manager around training: it catches SIGTERM and SIGINT, which then only ask for a stop. A
+    second Ctrl-C more than a second after the first (torchrun passes the first one on as well) quits at once.
+    """
+
+    def __init__(self, device):
+        self.device, self.signal, self.signal_time, self.pending, self.previous_handlers = device, None, 0.0, None, {}
+
+    def __enter__(self):
+        self.previous_handlers = {s: signal.signal(s, self.on_signal) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous_handlers.items():
+            signal.signal(s, handler)
+
+    def on_signal(self, signum, frame):
+        """Note the first stop signal; the training loop acts on it at the next step boundary."""
+        if self.signal is None:
+            self.signal, self.signal_time = signum, time.monotonic()
+            LOGGER.warning(f"\n{signal.Signals(signum).name}: stopping after the current step to save a checkpoint")
+        elif signum == signal.SIGINT and time.monotonic() - self.signal_time > 1:
+            raise KeyboardInterrupt
+
+    def cast(self, loss, step):
+        """Vote on step `step` (this rank's loss of it on the device); return the verdict of the previous vote."""
+        verdict = self.count()
+        bad = ~torch.isfinite(loss.detach())
+        flags = torch.stack([bad, torch.full_like(bad, self.signal is not None)]).to(torch.uint8)  # MAX: any rank's
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True) if dist.is_initialized() else None
+        event = None
+        if self.device.type == "cuda":  # read later from pinned memory, after an event: the host never stalls
+            if work is not None:
+                work.wait()  # on nccl: the current stream waits, not the host
+                work = None
+            flags = flags.to("cpu", non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self.pending = (step, flags, work, event)
+        return verdict
+
+    def count(self):
+        """The verdict of the pending vote, if any: (stop asked, step whose loss was not finite, or None)."""
+        if self.pending is None:
+            return False, None
+        step, flags, work, event = self.pending
+        self.pending = None
+        if work is not None:
+            work.wait()
+        if event is not None:
+            event.synchronize()
+        bad, stop = flags.tolist()
+        return bool(stop), step if bad else None
+
+    def settle(self, loss=None, step=-1):
+        """Count the pending vote, then vote once more and wait for it: every rank calls this together, e.g. after
+        an epoch's last step, which not every rank took (loss: this rank's loss of it, None if it did not take it).
+        Returns the combined verdict."""
+        stop, bad_step = self.count()
+        if loss is None:
+            loss = torch.zeros((), device=self.device)
+        self.cast(loss, step)
+        last_stop, last_bad = self.count()
+        return stop or last_stop, bad_step if bad_step is not None else last_bad
