@@ -137,7 +137,7 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
     threads, workers = set_threads(cfg.data.workers)
     init_seeds(cfg.seed + RANK, cfg.train.deterministic)  # own dropout stream per rank; DDP copies rank 0's init
     train_set, val_set = build_datasets(dataset_root(cfg.data.name), train_transforms(cfg.data),
-                                        val_transforms(cfg.data))
+                                        val_transforms(cfg.data), skip_corrupt=cfg.data.skip_corrupt)
     check_shareable(train_set)
     classes = train_set.classes
     train_loader = build_dataloader(train_set, cfg.train.batch_size, True, cfg.seed, workers, device,
@@ -178,7 +178,7 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
             images_seen, stopped = train_one_epoch(state, train_loader, normalize, criterion, dtype, cfg, epoch,
                                                    vote, save, show)
             if stopped:
-                stop_and_save(vote, save, run_dir, epoch, state.step, steps)
+                stop(vote, run_dir, epoch, state.step, steps)
             train_time = time.time() - epoch_start
             keep_ranks_in_step(state, train_loader, epoch)
             metrics = evaluate(de_parallel(state.model), val_loader, normalize, len(classes), device, dtype)
@@ -196,7 +196,7 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
             if improved:
                 save("best.pt")
             if vote.settle()[0]:  # a signal during validation: stop with the epoch's checkpoint
-                stop_and_save(vote, None, run_dir, epoch + 1, 0, steps)
+                stop(vote, run_dir, epoch + 1, 0, steps)
     if logger:
         logger.close()
         LOGGER.info(f"\n{cfg.train.epochs} epochs in {time.time() - start:.1f}s. Results saved to "
@@ -208,7 +208,7 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
 
 def train_one_epoch(state, loader, normalize, criterion, dtype, cfg, epoch, vote, save, show_batch=None):
     """Train this rank's share of the epoch from step state.step to its end, or until the ranks agree to stop
-    (state.step then says where); returns (images all ranks trained on, whether they stopped)."""
+    (state.step then says where, and last.pt holds it); returns (images all ranks trained on, whether stopped)."""
     state.model.train()
     device, sampler = next(de_parallel(state.model).parameters()).device, loader.sampler
     most, fewest = sampler.steps()  # ranks' shares differ by a sample, so a rank may take one step fewer
@@ -229,14 +229,14 @@ def train_one_epoch(state, loader, normalize, criterion, dtype, cfg, epoch, vote
             loss_sum += loss
             seen += len(targets)
             state.step = step + 1
-            if step < fewest:  # every rank takes this step, so all can vote (collectives) after it
+            if step < fewest:  # every rank takes this step, so all can vote and save (collectives) after it
                 stop = check_vote(vote.cast(loss, step), epoch, most)
-                if not stop and wants_save(cfg.train.save_every_steps, epoch * most + state.step, state.step, most):
-                    stop = check_vote(vote.settle(), epoch, most)  # never save a non-finite state
+                if stop or wants_save(cfg.train.save_every_steps, epoch * most + state.step, state.step, most):
+                    stop = check_vote(vote.settle(), epoch, most) or stop  # never save a non-finite state
                     state.epoch_loss = add_epoch_loss(state.epoch_loss, loss_sum, seen, device)
                     loss_sum.zero_()
                     seen = 0
-                    save("last.pt")
+                    save("last.pt")  # here, in the loop: leaving join() would sync the model from another rank
                 if stop:
                     break
             else:  # the step some ranks do not take: voted on with every rank after the loop
@@ -245,10 +245,12 @@ def train_one_epoch(state, loader, normalize, criterion, dtype, cfg, epoch, vote
                 last_shown = time.monotonic()
                 rate = seen * WORLD_SIZE / (last_shown - start)
                 bar.set_postfix_str(f"loss {loss_sum.item() / max(seen, 1):.4f}  {rate:.0f} img/s", refresh=False)
-    stop = check_vote(vote.settle(tail_loss, most - 1), epoch, most) or stop
     if not stop:
+        stop = check_vote(vote.settle(tail_loss, most - 1), epoch, most)
         state.step = most  # also on a rank that took one step fewer
-    state.epoch_loss = add_epoch_loss(state.epoch_loss, loss_sum, seen, device)
+        state.epoch_loss = add_epoch_loss(state.epoch_loss, loss_sum, seen, device)
+        if stop:
+            save("last.pt")
     return state.epoch_loss[1] - images_before, stop
 
 
@@ -303,10 +305,8 @@ def keep_ranks_in_step(state, loader, epoch):
     broadcast_buffers(de_parallel(state.model))  # every rank validates rank 0's BatchNorm statistics, as saved
 
 
-def stop_and_save(vote, save, run_dir, epoch, step, steps):
-    """Every rank agreed to stop: save where the run is (save=None: already saved), say how to resume, and stop."""
-    if save:
-        save("last.pt")
+def stop(vote, run_dir, epoch, step, steps):
+    """Every rank agreed to stop and last.pt holds where the run is: say how to resume, and stop."""
     LOGGER.info(f"\nStopped at epoch {epoch + 1 if step else epoch}, step {step or steps}/{steps}; saved "
                 f"{run_dir / 'weights' / 'last.pt'}. Resume with:\n  {resume_command(run_dir)}")
     raise Stopped(vote.signal or 15)

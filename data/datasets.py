@@ -2,7 +2,6 @@
 
 import os
 import shutil
-import signal
 import socket
 from collections import Counter
 from pathlib import Path
@@ -16,14 +15,18 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from data.sampler import DistributedShuffleSampler, SeededSamples, seed_hash
 from data.verify import UNREADABLE, decode, unreadable_images, unreadable_reason
-from utils.general import LOGGER, ROOT, UsageError, colorstr
+from utils.general import LOGGER, ROOT, SharedError, UsageError, colorstr
 from utils.torch_utils import LOCAL_RANK, RANK, WORLD_SIZE, torch_distributed_zero_first
 
 DATASETS_DIR = ROOT / "datasets"
 
 
-class DatasetError(UsageError):
-    """A dataset that cannot be used, with a message naming the path and what is wrong."""
+class DatasetError(SharedError):
+    """A dataset that cannot be used, with a message naming the path and what is wrong (the same on every rank)."""
+
+
+class ImageError(UsageError):
+    """An image that cannot be read, met by the one rank (or DataLoader worker) that loads it."""
 
 
 def write_digits(root):
@@ -79,11 +82,11 @@ def split_dir(root, split):
 
 
 def load_rgb(path):
-    """ImageFolder loader: the decoded RGB image, or a DatasetError naming the file (PIL's errors name none)."""
+    """ImageFolder loader: the decoded RGB image, or an ImageError naming the file (PIL's errors name none)."""
     try:
         return decode(path)
     except UNREADABLE as e:
-        raise DatasetError(f"{path}: unreadable image ({unreadable_reason(e)}); remove the file, or set "
+        raise ImageError(f"{path}: unreadable image ({unreadable_reason(e)}); remove the file, or set "
                            f"data.skip_corrupt=true to check every image before training and skip unreadable "
                            f"ones") from None
 
@@ -168,14 +171,14 @@ def build_dataloader(dataset, batch_size, train, seed, workers, device, drop_las
     generator = torch.Generator().manual_seed(seed_hash(seed, 0, RANK))
     return DataLoader(SeededSamples(dataset, seed) if train else dataset, batch_size=batch_size // WORLD_SIZE,
                       sampler=sampler, num_workers=workers, pin_memory=device.type == "cuda", generator=generator,
-                      worker_init_fn=ignore_stop_signals)
+                      worker_init_fn=leave_process_group)
 
 
-def ignore_stop_signals(worker_id):
-    """In a DataLoader worker: leave Ctrl-C and SIGTERM to the main process, which stops the run at a step
-    boundary and then ends its workers (a worker killed by Ctrl-C would crash the main process instead)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def leave_process_group(worker_id):
+    """Move a DataLoader worker into a process group of its own: Ctrl-C and a scheduler's SIGTERM to the launch's
+    group then reach the main process alone, which stops at a step boundary and ends its workers (a worker they
+    ended would crash the main process instead). A worker whose main process dies exits by itself."""
+    os.setpgrp()
 
 
 def set_epoch(loader, epoch, start_step=0):

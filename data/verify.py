@@ -17,6 +17,7 @@ from utils.torch_utils import LOCAL_WORLD_SIZE, RANK, WORLD_SIZE, broadcast_obje
 # What PIL raises for a file it cannot decode (truncated, not an image, corrupt data, a decompression bomb).
 UNREADABLE = (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError)
 CACHE_VERSION = 1
+CHUNK = 64  # files per thread-pool task: a task per file costs more than checking a cached one
 
 
 def decode(path):
@@ -57,11 +58,13 @@ def unreadable_images(folder, paths, cache_file):
     (the ranks need not share a disk) and saves the pooled results.
     """
     cache = broadcast_object(read_cache(cache_file) if RANK == 0 else None)
-    names = [os.path.relpath(path, folder) for path in paths]
-    share = range(RANK, len(paths), WORLD_SIZE)
+    prefix = os.path.join(folder, "")
+    names = [path.removeprefix(prefix) for path in paths]  # relative, so the data folder may be moved
+    share = list(zip(paths, names))[RANK::WORLD_SIZE]
+    chunks = [share[i : i + CHUNK] for i in range(0, len(share), CHUNK)]
     with ThreadPoolExecutor(max(1, cpu_count() // LOCAL_WORLD_SIZE)) as pool:  # this process's share of the cores
-        checked = pool.map(lambda i: check_file(paths[i], cache.get(names[i])), share)
-        entries = {names[i]: entry for i, entry in zip(share, checked)}
+        checked = pool.map(lambda chunk: {name: check_file(path, cache.get(name)) for path, name in chunk}, chunks)
+        entries = {name: entry for part in checked for name, entry in part.items()}
     pooled = {name: entry for part in all_gather_object(entries) for name, entry in part.items()}
     entries = {name: pooled[name] for name in names}  # in the dataset's order, whichever rank checked them
     if RANK == 0:

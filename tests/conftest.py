@@ -41,12 +41,13 @@ def clean_env():
 
 
 def run_python(*args, cwd=ROOT, timeout=600):
-    """Run `python ARGS` from the repository root; return the CompletedProcess (output captured as text)."""
+    """Run `python ARGS` from the repository root in a session of its own (a fault may kill its whole process
+    group); return the CompletedProcess (output captured as text)."""
     return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=clean_env(), capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, start_new_session=True)
 
 
-def run_torchrun(*args, nproc=2, cwd=ROOT, timeout=600):
+def run_torchrun(*args, nproc=2, cwd=ROOT, timeout=600, launcher=("--standalone",)):
     """Run `torchrun --standalone --nproc_per_node=nproc ARGS`; return the CompletedProcess."""
-    return run_python("-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args, cwd=cwd,
+    return run_python("-m", "torch.distributed.run", *launcher, f"--nproc_per_node={nproc}", *args, cwd=cwd,
                       timeout=timeout)

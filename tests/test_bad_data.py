@@ -10,7 +10,7 @@ import pytest
 
 import data.verify
 from conftest import run_python, run_torchrun
-from data.datasets import DatasetError, build_datasets, write_digits
+from data.datasets import DatasetError, ImageError, build_datasets, write_digits
 from utils.general import LOGGER, cpu_count
 
 TRAIN_ARGS = ("train.epochs=1", "train.batch_size=4", "model.width=4", "data.img_size=8")
@@ -51,7 +51,8 @@ def decoded(monkeypatch):
     return paths
 
 
-def warnings(log):
+def warned(log):
+    """The messages LOGGER warned with."""
     return [r.getMessage() for r in log.records if r.levelname == "WARNING"]
 
 
@@ -84,7 +85,7 @@ def test_unreadable_image_is_named_with_its_reason_and_the_way_past_it(image_fol
     samples = [path for path, _ in train_set.samples]
     assert train_set[samples.index(str(root / "train" / "ant" / "000.png"))][0].mode == "RGB"
     for path, reason in ((truncated, "image file is truncated"), (garbage, "not an image format PIL can identify")):
-        with pytest.raises(DatasetError) as e:
+        with pytest.raises(ImageError) as e:
             train_set[samples.index(str(path))]
         assert str(e.value) == (f"{path}: unreadable image ({reason}); remove the file, or set data.skip_corrupt=true "
                                 f"to check every image before training and skip unreadable ones")
@@ -125,10 +126,10 @@ def test_skip_corrupt_drops_unreadable_images_warns_once_and_caches(image_folder
         "train/ant/000.png", "train/ant/002.png", "train/bee/000.png", "train/bee/001.png"]
     assert train_set.targets == [0, 0, 1, 1] and val_set.targets == [0, 1, 1]  # class indices unchanged
     assert train_set.imgs == train_set.samples and len(val_set) == 3
-    assert warnings(log) == ["data: skipping 3 unreadable image(s) (data.skip_corrupt=true):\n"
-                             f"  {truncated}: image file is truncated\n"
-                             f"  {garbage}: not an image format PIL can identify\n"
-                             f"  {val_garbage}: not an image format PIL can identify"]
+    assert warned(log) == ["data: skipping 3 unreadable image(s) (data.skip_corrupt=true):\n"
+                           f"  {truncated}: image file is truncated\n"
+                           f"  {garbage}: not an image format PIL can identify\n"
+                           f"  {val_garbage}: not an image format PIL can identify"]
     cache = json.loads((root / ".verified-train.json").read_text())["files"]
     stat = os.stat(truncated)
     assert cache["ant/001.png"] == [stat.st_size, stat.st_mtime_ns, "image file is truncated"]
@@ -140,7 +141,7 @@ def test_skip_corrupt_drops_unreadable_images_warns_once_and_caches(image_folder
     train_again, val_again = build_datasets(root, None, None, skip_corrupt=True)
     assert decoded == []  # every result came from the cache
     assert train_again.samples == train_set.samples and val_again.samples == val_set.samples
-    assert len(warnings(log)) == 1
+    assert len(warned(log)) == 1
 
     decoded.clear()
     log.clear()
@@ -151,17 +152,17 @@ def test_skip_corrupt_drops_unreadable_images_warns_once_and_caches(image_folder
     train_set, _ = build_datasets(root, None, None, skip_corrupt=True)
     assert sorted(decoded) == sorted(map(str, [touched, truncated, new]))  # only the changed and new files
     assert str(truncated) in [p for p, _ in train_set.samples] and len(train_set) == 5
-    assert warnings(log) == ["data: skipping 3 unreadable image(s) (data.skip_corrupt=true):\n"
-                             f"  {garbage}: not an image format PIL can identify\n"
-                             f"  {new}: not an image format PIL can identify\n"
-                             f"  {val_garbage}: not an image format PIL can identify"]
+    assert warned(log) == ["data: skipping 3 unreadable image(s) (data.skip_corrupt=true):\n"
+                           f"  {garbage}: not an image format PIL can identify\n"
+                           f"  {new}: not an image format PIL can identify\n"
+                           f"  {val_garbage}: not an image format PIL can identify"]
 
 
 def test_skip_corrupt_lists_the_first_20_and_a_count(image_folder, log):
     root = image_folder({"train": {"ant": 1}, "val": {"ant": 1}})
     bad = [random_bytes(root / "train" / "ant" / f"bad{i:02d}.jpg", 20) for i in range(23)]
     build_datasets(root, None, None, skip_corrupt=True)
-    (warning,) = warnings(log)
+    (warning,) = warned(log)
     lines = warning.splitlines()
     assert lines[0] == "data: skipping 23 unreadable image(s) (data.skip_corrupt=true):"
     assert lines[1:21] == [f"  {path}: not an image format PIL can identify" for path in bad[:20]]
@@ -176,7 +177,7 @@ def test_skip_corrupt_on_a_read_only_data_folder_skips_the_cache(image_folder, l
     root = image_folder({"train": {"ant": 2}, "val": {"ant": 1}})
     bad = truncate(root / "train" / "ant" / "001.png")
     train_set, _ = build_datasets(root, None, None, skip_corrupt=True)
-    assert len(train_set) == 1 and str(bad) in warnings(log)[0]
+    assert len(train_set) == 1 and str(bad) in warned(log)[0]
     assert sorted(p.name for p in root.iterdir()) == ["train", "val"]  # no cache, no temporary file left
     assert (f"data: {root / '.verified-train.json'}: not written (Read-only file system); the images will be "
             f"decoded again next run") in log.messages
@@ -195,7 +196,7 @@ def test_skip_corrupt_split_with_no_readable_image_is_named(image_folder):
 def test_skip_corrupt_leaves_the_digits_whole(tmp_path, log):
     write_digits(tmp_path / "digits")
     train_set, val_set = build_datasets(tmp_path / "digits", None, None, skip_corrupt=True)
-    assert (len(train_set), len(val_set)) == (1437, 360) and warnings(log) == []
+    assert (len(train_set), len(val_set)) == (1437, 360) and warned(log) == []
     assert (tmp_path / "digits" / ".verified-train.json").is_file()
 
 
