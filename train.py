@@ -138,7 +138,7 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
     init_seeds(cfg.seed + RANK, cfg.train.deterministic)  # own dropout stream per rank; DDP copies rank 0's init
     train_set, val_set = build_datasets(dataset_root(cfg.data.name), train_transforms(cfg.data),
                                         val_transforms(cfg.data), skip_corrupt=cfg.data.skip_corrupt)
-    check_shareable(train_set)
+    check_shareable(train_set, WORLD_SIZE, cfg.train.batch_size, cfg.data.drop_last)
     classes = train_set.classes
     train_loader = build_dataloader(train_set, cfg.train.batch_size, True, cfg.seed, workers, device,
                                     cfg.data.drop_last)

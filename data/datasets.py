@@ -151,11 +151,15 @@ def build_datasets(root, train_transform, val_transform, skip_corrupt=False):
     return train_set, val_set
 
 
-def check_shareable(train_set, world_size=WORLD_SIZE):
-    """Every process needs at least one training image: DDP cannot join a rank that never took a step."""
+def check_shareable(train_set, world_size=WORLD_SIZE, batch_size=1, drop_last=False):
+    """Every process needs at least one training image: DDP cannot join a rank that never took a step; with
+    drop_last, the epoch needs one whole global batch."""
     if len(train_set) < world_size:
         raise DatasetError(f"{train_set.root}: {len(train_set)} training image(s) cannot be shared by {world_size} "
                            f"processes; each needs at least one (use fewer processes or more images)")
+    if drop_last and len(train_set) < batch_size:
+        raise DatasetError(f"{train_set.root}: data.drop_last=true drops every step: {len(train_set)} training "
+                           f"image(s) are fewer than one global batch (train.batch_size={batch_size})")
 
 
 def build_dataloader(dataset, batch_size, train, seed, workers, device, drop_last=False):

@@ -1,47 +1,131 @@
-"""Checkpoints are written atomically and load with weights_only=True."""
+"""Checkpoints: written atomically and durably, loaded with weights_only=True, and checked before a resume."""
+
+import errno
+import os
+import signal
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
+import train
+import utils.checkpoint
 from models import build_model
 from utils.checkpoint import load_checkpoint, save_checkpoint
 from utils.config import load_recipe
+from utils.general import SharedError, UsageError
 from utils.optim import build_optimizer, build_scheduler
+from utils.stopping import StopVote
 from utils.torch_utils import grad_scaler
+
+
+def train_state(cfg, classes=2):
+    model = build_model(cfg.model, classes)
+    optimizer = build_optimizer(model, cfg.optim)
+    return train.TrainState(model, optimizer, build_scheduler(optimizer, cfg.sched, cfg.train.epochs, 5),
+                            grad_scaler(torch.device("cpu"), None))
+
+
+def saved_state(state, cfg, path, classes=("a", "b")):
+    state.model(torch.randn(2, 3, 8, 8)).sum().backward()
+    state.optimizer.step()
+    state.scheduler.step()
+    state.epoch, state.step = 1, 3
+    train.save_state(state, cfg, list(classes), path)
+    return load_checkpoint(path)
 
 
 def test_full_training_state_round_trips_with_weights_only(tmp_path):
     cfg = load_recipe("cls.yaml", ["model.width=4"])
-    model = build_model(cfg.model, 10)
-    optimizer = build_optimizer(model, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.sched, 3, 5)
-    model(torch.randn(2, 3, 8, 8)).sum().backward()
-    optimizer.step()
-    scheduler.step()
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-             "scaler": grad_scaler(torch.device("cpu"), None).state_dict(), "epoch": 1, "best_top1": 0.5,
-             "classes": ["a", "b"], "recipe": OmegaConf.to_container(cfg)}
-    save_checkpoint(state, tmp_path / "last.pt")
-    loaded = load_checkpoint(tmp_path / "last.pt")
-    assert loaded["recipe"] == OmegaConf.to_container(cfg) and loaded["classes"] == ["a", "b"]
-    fresh = build_model(cfg.model, 10)
-    fresh.load_state_dict(loaded["model"])
-    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
-    scheduler.load_state_dict(loaded["scheduler"])
-    optimizer.load_state_dict(loaded["optimizer"])
+    state = train_state(cfg)
+    ckpt = saved_state(state, cfg, tmp_path / "last.pt")
+    assert ckpt["recipe"] == OmegaConf.to_container(cfg) and ckpt["classes"] == ["a", "b"]
+    assert (ckpt["epoch"], ckpt["step"], len(ckpt["rng"])) == (1, 3, 1) and "ema" in ckpt
+    fresh = train_state(cfg)
+    train.restore(fresh, "last.pt", ckpt, ["a", "b"], cfg.train.epochs)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.model.state_dict().values(), state.model.state_dict().values()))
+    assert fresh.scheduler.last_epoch == 1 and (fresh.epoch, fresh.step) == (1, 3)
+    assert fresh.optimizer.param_groups[0]["lr"] == state.optimizer.param_groups[0]["lr"]
 
 
-def test_failed_save_keeps_the_previous_checkpoint(tmp_path):
+def test_resume_refuses_other_classes_other_weights_and_a_finished_run(tmp_path):
+    cfg = load_recipe("cls.yaml", ["model.width=4", "train.epochs=2"])
+    ckpt = saved_state(train_state(cfg), cfg, tmp_path / "last.pt")
+    with pytest.raises(SharedError, match=r"trained on 2 classes \['a', 'b'\]..., but the data has 3 classes"):
+        train.restore(train_state(cfg, 3), "last.pt", ckpt, ["a", "b", "c"], 2)
+    wider = load_recipe("cls.yaml", ["model.width=8"])
+    with pytest.raises(SharedError, match="last.pt: its weights do not fit the model of its recipe: size mismatch"):
+        train.restore(train_state(wider), "last.pt", ckpt, ["a", "b"], 2)
+    ckpt["epoch"], ckpt["step"] = 2, 0
+    with pytest.raises(SharedError, match="has already trained all 2 epochs; to train longer, resume with "
+                                          r"train.epochs=N \(N > 2\)"):
+        train.restore(train_state(cfg), "last.pt", ckpt, ["a", "b"], 2)
+
+
+def resume(capsys, *argv):
+    with pytest.raises(SystemExit) as e:
+        train.main(["--resume", *map(str, argv)])
+    return e.value.code, capsys.readouterr().err
+
+
+def test_resume_errors_are_one_line_before_any_work(tmp_path, capsys):
+    code, err = resume(capsys, tmp_path / "nope")
+    assert code == 2 and err == f"train.py: error: --resume {tmp_path / 'nope'}: no such checkpoint file or run directory\n"
+    code, err = resume(capsys, "", f"project={tmp_path / 'empty'}")  # bare --resume: the newest run under project
+    assert code == 2 and f"--resume: no run to resume under {tmp_path / 'empty'}/ (no */weights/last.pt)" in err
+    (tmp_path / "run" / "weights").mkdir(parents=True)
+    cfg = load_recipe("cls.yaml", ["model.width=4"])
+    saved_state(train_state(cfg), cfg, tmp_path / "run" / "weights" / "last.pt")
+    code, err = resume(capsys, tmp_path / "run", "optim.lr=0.5")
+    assert code == 2 and "optim.lr=0.5 cannot change on resume: the run so far was trained with optim.lr=0.1" in err
+    with pytest.raises(SystemExit):
+        train.main(["--resume", str(tmp_path / "run"), "--recipe", "cls.yaml"])
+    assert "--resume takes the recipe from the checkpoint: leave out --recipe" in capsys.readouterr().err
+    torch.save({"epoch": 1}, tmp_path / "other.pt")
+    code, err = resume(capsys, tmp_path / "other.pt")
+    assert code == 2 and "other.pt: not a training checkpoint of train.py (missing model, optimizer" in err
+
+
+class RunsCode:
+    """A pickle that would run code on load: it creates the file it names."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def test_resume_refuses_a_checkpoint_whose_pickle_would_run_code(tmp_path, capsys):
+    marker = tmp_path / "code-ran"
+    torch.save({"model": RunsCode(marker), "epoch": 1}, tmp_path / "evil.pt")
+    code, err = resume(capsys, tmp_path / "evil.pt")
+    assert code == 2 and not marker.exists()
+    assert "evil.pt: refused: it holds Python objects, not only tensors and plain values, and loading it could run " \
+           "code (torch.load with weights_only=True: Trying to load unsupported GLOBAL posix.system" in err
+
+
+def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     path = tmp_path / "last.pt"
     save_checkpoint({"epoch": 1}, path)
-    with pytest.raises(Exception):
-        save_checkpoint({"epoch": 2, "bad": lambda: None}, path)  # a lambda cannot be pickled
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(utils.checkpoint.os, "fsync", full_disk)
+    with pytest.raises(UsageError, match="cannot save checkpoint .*last.pt: No space left on device; the previous"):
+        save_checkpoint({"epoch": 2}, path)
+    monkeypatch.undo()
     assert load_checkpoint(path) == {"epoch": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
 
 
-def test_weights_only_refuses_pickled_objects(tmp_path):
-    torch.save({"model": torch.nn.Linear(2, 2)}, tmp_path / "module.pt")  # a pickled module, not a state_dict
-    with pytest.raises(Exception, match="[Ww]eights only"):
-        load_checkpoint(tmp_path / "module.pt")
+def test_stop_vote_counts_a_signal_and_a_non_finite_loss_one_step_later():
+    before = signal.getsignal(signal.SIGTERM)
+    with StopVote(torch.device("cpu")) as vote:
+        assert vote.cast(torch.tensor(1.0), 0) == (False, None)
+        assert vote.cast(torch.tensor(float("inf")), 1) == (False, None)
+        assert vote.cast(torch.tensor(2.0), 2) == (False, 1)  # step 1's loss, counted at step 2
+        os.kill(os.getpid(), signal.SIGTERM)  # caught: it only asks for a stop
+        assert vote.cast(torch.tensor(3.0), 3) == (False, None)
+        assert vote.settle() == (True, None)
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -93,3 +93,7 @@ def test_every_process_needs_a_training_image(image_folder):
     check_shareable(train, world_size=3)
     with pytest.raises(DatasetError, match="3 training image.* cannot be shared by 4 processes"):
         check_shareable(train, world_size=4)
+    check_shareable(train, world_size=1, batch_size=3, drop_last=True)
+    with pytest.raises(DatasetError, match=r"data.drop_last=true drops every step: 3 training image\(s\) are fewer "
+                                           r"than one global batch \(train.batch_size=4\)"):
+        check_shareable(train, world_size=1, batch_size=4, drop_last=True)

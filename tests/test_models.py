@@ -47,3 +47,11 @@ def test_input_size_check_names_the_keys_and_leaves_the_model_as_it_was():
     before = {k: v.clone() for k, v in convnet.state_dict().items()}
     check_input_size(convnet, "convnet", 8, torch.device("cpu"))
     assert convnet.training and all(torch.equal(before[k], v) for k, v in convnet.state_dict().items())
+
+
+@pytest.mark.parametrize("norm, kind", [("group", torch.nn.GroupNorm), ("none", None)])
+def test_convnet_norm_choices_have_no_batch_statistics(norm, kind):
+    model = build(name="convnet", width=4, norm=norm)
+    kinds = {type(m) for m in model.modules()}
+    assert torch.nn.BatchNorm2d not in kinds and (kind is None or kind in kinds)
+    assert model(torch.randn(1, 3, 8, 8)).shape == (1, 7)  # a batch of one trains without batch statistics

@@ -4,7 +4,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from utils.config import RECIPES_DIR, Recipe, RecipeError, load_recipe, recipe_to_yaml
+from utils.config import RECIPES_DIR, Recipe, RecipeError, load_recipe, load_resumed_recipe, recipe_to_yaml
 
 
 def write(path, content):
@@ -128,3 +128,31 @@ def test_resolved_yaml_round_trips():
     cfg = load_recipe("cls.yaml", ["optim.lr=0.02"])
     again = OmegaConf.merge(OmegaConf.structured(Recipe), OmegaConf.create(recipe_to_yaml(cfg)))
     assert again == cfg
+
+
+def test_base_is_found_next_to_the_recipe_before_the_current_directory(tmp_path, monkeypatch):
+    (tmp_path / "here").mkdir()
+    (tmp_path / "recipes").mkdir()
+    write(tmp_path / "here" / "parent.yaml", {"train": {"epochs": 1}})  # in the current directory
+    write(tmp_path / "recipes" / "parent.yaml", {"train": {"epochs": 2}})  # next to the child
+    child = write(tmp_path / "recipes" / "child.yaml", {"base": "parent.yaml"})
+    monkeypatch.chdir(tmp_path / "here")
+    assert load_recipe(str(child)).train.epochs == 2
+
+
+def test_resume_may_change_only_what_cannot_change_the_run_so_far():
+    saved = OmegaConf.to_container(load_recipe("cls.yaml"))
+    cfg = load_resumed_recipe(saved, ["train.epochs=20", "data.workers=2", "project=elsewhere"])
+    assert cfg.train.epochs == 20 and cfg.data.workers == 2 and cfg.optim.lr == saved["optim"]["lr"]
+    with pytest.raises(RecipeError, match=r"command line: optim.lr=0.5 cannot change on resume: the run so far was "
+                                          r"trained with optim.lr=0.1; only train.epochs, .* may change"):
+        load_resumed_recipe(saved, ["optim.lr=0.5"])
+    with pytest.raises(RecipeError, match="unknown key 'optim.lrr'"):
+        load_resumed_recipe(saved, ["optim.lrr=0.5"])
+
+
+def test_new_keys_are_checked():
+    for override, message in {"model.norm=layer": "model.norm must be batch, group or none",
+                              "train.save_every_steps=-1": "train.save_every_steps must be >= 0"}.items():
+        with pytest.raises(RecipeError, match=message):
+            load_recipe("cls.yaml", [override])

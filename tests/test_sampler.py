@@ -7,14 +7,15 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
 
-from data.sampler import DistributedShuffleSampler, SeededSamples, epoch_steps
+from data.sampler import DistributedShuffleSampler, SeededSamples
 from data.transforms import train_transforms
 import utils.config
 from utils.config import DataConfig, RecipeError, load_recipe
 
 
-def shares(n, world, epoch=0, seed=0, shuffle=True):
-    samplers = [DistributedShuffleSampler(n, rank, world, shuffle=shuffle, seed=seed) for rank in range(world)]
+def shares(n, world, epoch=0, seed=0, shuffle=True, batch_size=None, drop_last=False):
+    samplers = [DistributedShuffleSampler(n, rank, world, shuffle=shuffle, seed=seed, batch_size=batch_size,
+                                          drop_last=drop_last) for rank in range(world)]
     for s in samplers:
         s.set_epoch(epoch)
     return [list(s) for s in samplers]
@@ -51,10 +52,10 @@ def test_no_shuffle_keeps_dataset_order():
     assert shares(5, 2, shuffle=False) == [[0, 2, 4], [1, 3]]
 
 
-def global_batches(n, world, global_batch, epoch=0):
+def global_batches(n, world, global_batch, epoch=0, drop_last=False):
     """The set of samples in each optimizer step, united over ranks, with per-rank batch global_batch / world."""
     b = global_batch // world
-    parts = shares(n, world, epoch=epoch)
+    parts = shares(n, world, epoch=epoch, batch_size=global_batch, drop_last=drop_last)
     steps = max(-(-len(p) // b) for p in parts)
     return [sorted(i for p in parts for i in p[step * b:(step + 1) * b]) for step in range(steps)]
 
@@ -66,10 +67,40 @@ def test_same_global_batches_at_any_world_size(n):
         assert global_batches(n, world, 8, epoch=2) == reference
 
 
-def test_epoch_steps_counts_the_longest_and_shortest_share():
-    assert epoch_steps(1437, 32, 2) == (23, 23)
-    assert epoch_steps(9, 2, 2) == (3, 2)  # rank 0 holds 5 samples (3 steps), rank 1 holds 4 (2 steps)
-    assert epoch_steps(64, 32, 1) == (2, 2)
+def steps(n, world, global_batch, drop_last=False):
+    return DistributedShuffleSampler(n, 0, world, batch_size=global_batch, drop_last=drop_last).steps()
+
+
+def test_steps_count_the_longest_and_shortest_share():
+    assert steps(1437, 2, 64) == (23, 23)
+    assert steps(9, 2, 4) == (3, 2)  # rank 0 holds 5 samples (3 steps), rank 1 holds 4 (2 steps)
+    assert steps(64, 1, 32) == (2, 2)
+
+
+def test_step_samples_count_the_last_partial_global_step():
+    sampler = DistributedShuffleSampler(13, 1, 3, batch_size=6)
+    assert [sampler.step_samples(i) for i in range(3)] == [6, 6, 1]
+
+
+def test_epoch_order_is_a_hash_of_seed_and_epoch_not_their_sum():
+    assert shares(100, 1, epoch=1, seed=0) != shares(100, 1, epoch=0, seed=1)
+
+
+def test_drop_last_gives_every_rank_the_same_full_steps_at_any_world_size():
+    reference = global_batches(21, 1, 4, drop_last=True)
+    assert len(reference) == 5 and all(len(batch) == 4 for batch in reference)
+    for world in (2, 4):
+        assert global_batches(21, world, 4, drop_last=True) == reference
+        assert steps(21, world, 4, drop_last=True) == (5, 5)
+    assert sorted(i for batch in reference for i in batch) != list(range(21))  # one image left out this epoch
+
+
+def test_start_step_skips_exactly_the_steps_done():
+    for rank in range(2):
+        full, resumed = (DistributedShuffleSampler(9, rank, 2, batch_size=4) for _ in range(2))
+        full.set_epoch(3)
+        resumed.set_epoch(3, start_step=2)
+        assert list(resumed) == list(full)[4:] and len(resumed) == len(list(full)[4:])  # 2 steps of 2 per rank
 
 
 def test_global_batch_must_divide_by_world_size(monkeypatch):

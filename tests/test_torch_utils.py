@@ -23,9 +23,39 @@ def test_cuda_device_follows_local_rank(monkeypatch):
         tu.select_device("cuda", local_rank=4)
 
 
-def test_backend_is_nccl_for_cuda_and_gloo_for_cpu():
-    assert tu.distributed_backend(torch.device("cuda", 0)) == "nccl"
-    assert tu.distributed_backend(torch.device("cpu")) == "gloo"
+def test_backend_is_gloo_for_cpu_tensors_and_nccl_for_gpu_tensors():
+    assert tu.distributed_backend(cuda_available=True) == "cpu:gloo,cuda:nccl"
+    assert tu.distributed_backend(cuda_available=False) == "gloo"
+
+
+def test_sync_bn_converts_batchnorm_on_several_gpus_and_refuses_cpu(monkeypatch):
+    from models.convnet import ConvNet
+    with pytest.raises(UsageError, match="model.sync_bn=true needs CUDA devices"):
+        tu.sync_batchnorm(ConvNet(3, width=4), True, torch.device("cpu"))
+    monkeypatch.setattr(tu, "WORLD_SIZE", 2)
+    model = tu.sync_batchnorm(ConvNet(3, width=4), True, torch.device("cuda", 0))
+    kinds = {type(m) for m in model.modules()}
+    assert torch.nn.SyncBatchNorm in kinds and torch.nn.BatchNorm2d not in kinds
+    assert tu.sync_batchnorm(model := ConvNet(3, width=4), False, torch.device("cuda", 0)) is model
+
+
+def test_rng_states_survive_a_weights_only_checkpoint(tmp_path):
+    import random
+
+    import numpy as np
+    tu.init_seeds(3)
+    torch.save({"rng": tu.rng_states()}, tmp_path / "rng.pt")
+    expected = (random.random(), np.random.rand(), torch.rand(2))
+    tu.init_seeds(4)
+    tu.set_rng_states(torch.load(tmp_path / "rng.pt", weights_only=True)["rng"])
+    again = (random.random(), np.random.rand(), torch.rand(2))
+    assert again[:2] == expected[:2] and torch.equal(again[2], expected[2])
+
+
+def test_rank0_errors_are_raised_as_one_shared_error():
+    assert tu.on_rank0(lambda: 7) == 7
+    with pytest.raises(tu.SharedError, match="disk full"):
+        tu.on_rank0(lambda: (_ for _ in ()).throw(OSError("disk full")))
 
 
 def test_threads_and_workers_never_oversubscribe_cores():

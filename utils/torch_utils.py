@@ -121,7 +121,10 @@ def smart_DDP(model, device):
     # No static_graph: with it, a rank that joins (join(), for uneven shares) before its first step of a DDP
     # instance, as one resumed on an epoch's last step can, mismatches the others' collectives; and it measured
     # no faster here.
-    return DDP(model, device_ids=device_ids, output_device=device_ids and device_ids[0])
+    # broadcast_buffers=False: training steps never read BatchNorm's running statistics, so each rank keeps its
+    # own and rank 0's go to every rank before validation (broadcast_buffers below) and into checkpoints. DDP's
+    # own per-step broadcast would take them from whichever rank join() picks, which a resume cannot reproduce.
+    return DDP(model, device_ids=device_ids, output_device=device_ids and device_ids[0], broadcast_buffers=False)
 
 
 def sync_batchnorm(model, enabled, device):
