@@ -2,8 +2,8 @@
 
 For each case (training images, global batch), rank 1 takes one step fewer per epoch than rank 0, running out
 after its first, second or a later step. Writes JSON to argv[1] (rank 0): per case and rank the flat weights,
-optimizer momentum and learning rate after training, and the validation totals next to a single-process
-reference computed on rank 0.
+optimizer momentum, learning rate and GradScaler state after training, and the validation totals next to a
+single-process reference computed on rank 0.
 """
 
 import json
@@ -24,8 +24,8 @@ from utils.config import load_recipe  # noqa: E402
 from utils.metrics import evaluate  # noqa: E402
 from utils.optim import build_optimizer, build_scheduler  # noqa: E402
 from utils.stopping import StopVote  # noqa: E402
-from utils.torch_utils import (RANK, WORLD_SIZE, cleanup_distributed, de_parallel, grad_scaler,  # noqa: E402
-                               init_seeds, setup_distributed, smart_DDP)
+from utils.torch_utils import (RANK, WORLD_SIZE, cleanup_distributed, de_parallel, init_seeds,  # noqa: E402
+                               setup_distributed, smart_DDP)
 
 CASES = [(3, 2), (9, 4), (21, 4)]  # rank 1 runs out after step 1, 2 and 5 of 2, 3 and 6
 
@@ -46,7 +46,9 @@ def run_case(n_train, n_val, batch, epochs, device):
     model = build_model(cfg.model, 3)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.sched, epochs, train_loader.sampler.steps()[0])
-    state = TrainState(smart_DDP(model, device), optimizer, scheduler, grad_scaler(device, None))
+    # An active GradScaler (as fp16 has; CPU runs it in fp32) whose scale grows every 2 steps: a rank that misses
+    # an update would scale differently from then on.
+    state = TrainState(smart_DDP(model, device), optimizer, scheduler, torch.amp.GradScaler("cpu", growth_interval=2))
     criterion = torch.nn.CrossEntropyLoss(reduction="sum")
     with StopVote(device) as vote:
         for epoch in range(epochs):
@@ -59,6 +61,7 @@ def run_case(n_train, n_val, batch, epochs, device):
     report = {"weights": torch.cat([t.flatten() for t in model.state_dict().values()]).double().tolist(),
               "momentum": torch.cat(momentum).tolist(), "lr": optimizer.param_groups[0]["lr"],
               "steps": train_loader.sampler.steps(), "train_share": list(train_loader.sampler),
+              "scaler": state.scaler.state_dict(),
               "metrics": metrics}
     # Reference: every rank evaluates the whole val set without the sampler (summed over ranks, the means are
     # unchanged; the count is WORLD_SIZE times the set).

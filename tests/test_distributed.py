@@ -27,6 +27,7 @@ def test_uneven_shares_keep_ranks_identical_and_validation_exact(uneven_report, 
     assert rank0["weights"] == rank1["weights"]  # bit-identical models after uneven epochs
     assert rank0["momentum"] == rank1["momentum"]  # and identical optimizer state
     assert rank0["lr"] == rank1["lr"]  # the short rank kept the schedule in step
+    assert rank0["scaler"] == rank1["scaler"] and rank0["scaler"]["scale"] > 65536  # and the loss scale
     for metrics in (rank0["metrics"], rank1["metrics"]):
         assert metrics["val/samples"] == 7  # each val sample counted exactly once, none padded
         assert abs(metrics["val/top1"] - uneven_report[case]["reference"]["val/top1"]) < 1e-12

@@ -51,7 +51,23 @@ def setup_distributed():
     and barriers use gloo, so the device need not be chosen yet.
     """
     if WORLD_SIZE > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=distributed_backend(torch.cuda.is_available()), timeout=DIST_TIMEOUT)
+        dist.init_process_group(backend=distributed_backend(torch.cuda.is_available()), timeout=DIST_TIMEOUT,
+                                **restart_store())
+
+
+def restart_store():
+    """After a torchrun restart on one machine, a store for the process group whose keys are this attempt's alone.
+
+    torchrun shares its rendezvous store with the workers by default, and the restarted workers of a failed
+    attempt can read its stale addresses and hang or fail to connect (pytorch/pytorch#135712). The restart count
+    separates attempts where one agent restarts every worker; across machines it can differ, so multi-node jobs
+    set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 instead (see README).
+    """
+    if not RESTART_COUNT or os.getenv("TORCHELASTIC_USE_AGENT_STORE") != "True" or LOCAL_WORLD_SIZE != WORLD_SIZE:
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), WORLD_SIZE, is_master=False,
+                          timeout=DIST_TIMEOUT)
+    return {"store": dist.PrefixStore(f"attempt_{RESTART_COUNT}", store), "rank": RANK, "world_size": WORLD_SIZE}
 
 
 def set_device(device):
