@@ -88,7 +88,7 @@ def main(argv=None):
         if RANK == 0 or not isinstance(e, SharedError):  # a shared error is the same on every rank: say it once
             prefix = "" if isinstance(e, SharedError) or WORLD_SIZE == 1 else f"[rank {RANK}] "
             print(f"{prefix}train.py: error: {error_line(e)}", file=sys.stderr)
-        get_error_handler().record_exception(e)  # torchrun's summary names the cause
+            get_error_handler().record_exception(e)  # torchrun's summary then names the cause (another machine's)
         sys.exit(2)
     except Stopped as e:
         sys.exit(128 + e.signum)
@@ -164,10 +164,10 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
                 f"batch {cfg.train.batch_size} ({cfg.train.batch_size // WORLD_SIZE} per process), {steps} steps "
                 f"per epoch{f'; resuming at epoch {state.epoch + 1}, step {state.step}' if resume else ''}")
     # Only now: a run that fails on its data or model leaves no directory behind.
-    run_dir = resumed_run_dir(run_dir, cfg) if run_dir else make_run_dir(cfg)
-    logger = RunLogger(run_dir, recipe_to_yaml(cfg), state.epoch if resume or RESTART_COUNT else None) \
-        if RANK == 0 else None
-    save = lambda name: save_state(state, cfg, classes, run_dir / "weights" / name)  # noqa: E731 (collective)
+    continuing = run_dir is not None  # resumed, or restarted by torchrun into this job's run
+    run_dir = resumed_run_dir(run_dir, cfg) if continuing else make_run_dir(cfg)
+    logger = RunLogger(run_dir, recipe_to_yaml(cfg), state.epoch if continuing else None) if RANK == 0 else None
+    save = lambda *names: save_state(state, cfg, classes, [run_dir / "weights" / n for n in names])  # noqa: E731
     start = time.time()
     with StopVote(device) as vote:
         for epoch in range(state.epoch, cfg.train.epochs):
@@ -192,10 +192,8 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
             if logger:
                 logger.log_epoch(metrics)
                 LOGGER.info(epoch_summary(metrics, cfg.train.epochs))
-            save("last.pt")
-            if improved:
-                save("best.pt")
-            if vote.settle()[0]:  # a signal during validation: stop with the epoch's checkpoint
+            save("last.pt", *(["best.pt"] if improved else []))
+            if vote.settle()[0] and epoch + 1 < cfg.train.epochs:  # a signal during validation: stop here
                 stop(vote, run_dir, epoch + 1, 0, steps)
     if logger:
         logger.close()
@@ -321,15 +319,21 @@ def resume_command(run_dir):
     return f"torchrun --nproc_per_node={LOCAL_WORLD_SIZE}{extra} train.py --resume {run_dir}"
 
 
-def save_state(state, cfg, classes, path):
-    """Save a checkpoint of the run where it is (with every rank's random state; all ranks call this together)."""
+def save_state(state, cfg, classes, paths):
+    """Save a checkpoint of the run where it is to each of paths (with every rank's random state; all ranks call
+    this together, rank 0 writes)."""
     rng = gather_object(rng_states())
-    on_rank0(lambda: save_checkpoint(
-        {"model": de_parallel(state.model).state_dict(), "optimizer": state.optimizer.state_dict(),
-         "scheduler": state.scheduler.state_dict(), "scaler": state.scaler.state_dict(), "epoch": state.epoch,
-         "step": state.step, "epoch_loss": list(state.epoch_loss), "best_top1": state.best_top1,
-         "best_epoch": state.best_epoch, "classes": list(classes), "recipe": OmegaConf.to_container(cfg),
-         "rng": rng, "ema": None}, path))
+
+    def write():
+        checkpoint = {
+            "model": de_parallel(state.model).state_dict(), "optimizer": state.optimizer.state_dict(),
+            "scheduler": state.scheduler.state_dict(), "scaler": state.scaler.state_dict(), "epoch": state.epoch,
+            "step": state.step, "epoch_loss": list(state.epoch_loss), "best_top1": state.best_top1,
+            "best_epoch": state.best_epoch, "classes": list(classes), "recipe": OmegaConf.to_container(cfg),
+            "rng": rng, "ema": None}  # ema: room for EMA weights
+        for path in paths:
+            save_checkpoint(checkpoint, path)
+    on_rank0(write)
 
 
 def restore(state, path, ckpt, classes, epochs):

@@ -31,7 +31,7 @@ def saved_state(state, cfg, path, classes=("a", "b")):
     state.optimizer.step()
     state.scheduler.step()
     state.epoch, state.step = 1, 3
-    train.save_state(state, cfg, list(classes), path)
+    train.save_state(state, cfg, list(classes), [path])
     return load_checkpoint(path)
 
 
