@@ -87,8 +87,8 @@ def load_rgb(path):
         return decode(path)
     except UNREADABLE as e:
         raise ImageError(f"{path}: unreadable image ({unreadable_reason(e)}); remove the file, or set "
-                           f"data.skip_corrupt=true to check every image before training and skip unreadable "
-                           f"ones") from None
+                         f"data.skip_corrupt=true to check every image before training and skip unreadable "
+                         f"ones") from None
 
 
 def image_folder(folder, transform):

@@ -8,11 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
 
-import torch.distributed as dist
 from PIL import Image, UnidentifiedImageError
 
 from utils.general import LOGGER, colorstr, cpu_count
-from utils.torch_utils import LOCAL_WORLD_SIZE, RANK, WORLD_SIZE, broadcast_object
+from utils.torch_utils import LOCAL_WORLD_SIZE, RANK, WORLD_SIZE, broadcast_object, gather_object
 
 # What PIL raises for a file it cannot decode (truncated, not an image, corrupt data, a decompression bomb).
 UNREADABLE = (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError)
@@ -65,7 +64,7 @@ def unreadable_images(folder, paths, cache_file):
     with ThreadPoolExecutor(max(1, cpu_count() // LOCAL_WORLD_SIZE)) as pool:  # this process's share of the cores
         checked = pool.map(lambda chunk: {name: check_file(path, cache.get(name)) for path, name in chunk}, chunks)
         entries = {name: entry for part in checked for name, entry in part.items()}
-    pooled = {name: entry for part in all_gather_object(entries) for name, entry in part.items()}
+    pooled = {name: entry for part in gather_object(entries) for name, entry in part.items()}
     entries = {name: pooled[name] for name in names}  # in the dataset's order, whichever rank checked them
     if RANK == 0:
         decoded = sum(entry != cache.get(name) for name, entry in entries.items())
@@ -74,15 +73,6 @@ def unreadable_images(folder, paths, cache_file):
         if entries != cache:
             write_cache(cache_file, entries)
     return {path: entries[name][2] for path, name in zip(paths, names) if entries[name][2] is not None}
-
-
-def all_gather_object(obj):
-    """Every rank's obj, in rank order (a one-element list for one process)."""
-    if not dist.is_initialized():
-        return [obj]
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
 
 
 def read_cache(cache_file):

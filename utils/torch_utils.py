@@ -1,5 +1,6 @@
 """Process set-up for training: ranks, device, threads, seeds, DDP and mixed precision."""
 
+import inspect
 import os
 import random
 from contextlib import contextmanager, nullcontext
@@ -128,8 +129,8 @@ def init_seeds(seed=0, deterministic=False):
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def smart_DDP(model, device):
-    """Wrap model in DistributedDataParallel behind version checks."""
+def smart_DDP(model, device, **options):
+    """Wrap model in DistributedDataParallel behind version checks; options are further DDP arguments."""
     if torch.__version__.startswith("1.12.0"):
         raise RuntimeError("torch==1.12.0 DDP training is not supported due to a known issue; upgrade or "
                            "downgrade torch. See https://github.com/ultralytics/yolov5/issues/8395")
@@ -140,7 +141,9 @@ def smart_DDP(model, device):
     # broadcast_buffers=False: training steps never read BatchNorm's running statistics, so each rank keeps its
     # own and rank 0's go to every rank before validation (broadcast_buffers below) and into checkpoints. DDP's
     # own per-step broadcast would take them from whichever rank join() picks, which a resume cannot reproduce.
-    return DDP(model, device_ids=device_ids, output_device=device_ids and device_ids[0], broadcast_buffers=False)
+    no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters \
+        else {"broadcast_buffers": False}  # renamed in newer torch, which warns about the old name
+    return DDP(model, device_ids=device_ids, output_device=device_ids and device_ids[0], **no_sync, **options)
 
 
 def sync_batchnorm(model, enabled, device):
