@@ -24,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data.datasets import build_dataloader, build_datasets, dataset_root, set_epoch  # noqa: E402
 from data.transforms import normalizer, train_transforms, val_transforms  # noqa: E402
 from models import build_model  # noqa: E402
-from train import train_one_epoch  # noqa: E402
+from train import TrainState, train_one_epoch  # noqa: E402
 from utils.config import load_recipe  # noqa: E402
 from utils.optim import build_optimizer, build_scheduler  # noqa: E402
+from utils.stopping import StopVote  # noqa: E402
 from utils.torch_utils import autocast_dtype, grad_scaler, init_seeds, set_threads  # noqa: E402
 
 
@@ -67,13 +68,15 @@ def main():
         model = build_model(cfg.model, classes)
         optimizer = build_optimizer(model, cfg.optim)
         loader = build_dataloader(train_set, cfg.train.batch_size, True, cfg.seed, workers, device)
-        scheduler = build_scheduler(optimizer, cfg.sched, args.rounds + 1, len(loader))
-        scaler = grad_scaler(device, dtype)
+        state = TrainState(model, optimizer, build_scheduler(optimizer, cfg.sched, args.rounds + 1, len(loader)),
+                           grad_scaler(device, dtype))
+        summed = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing, reduction="sum")  # as train.py
 
         def run(epoch):
             set_epoch(loader, epoch)
-            return train_one_epoch(model, loader, normalize, criterion, optimizer, scheduler, scaler, device, dtype,
-                                   cfg, epoch)[1]
+            state.step = 0
+            with StopVote(device) as vote:
+                return train_one_epoch(state, loader, normalize, summed, dtype, cfg, epoch, vote, None)[0]
         return run
 
     sides = {"bare PyTorch loop": lambda epoch: bare_epoch(bare_model, bare_loader, normalize, criterion,
