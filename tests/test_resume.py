@@ -113,17 +113,17 @@ def test_two_processes_preempted_killed_and_out_of_disk_resume_to_bit_identical_
     assert f"Resume with:\n  torchrun --nproc_per_node=2 train.py --resume {run_dir}" in result.stdout
     assert "exitcode  : 143" in result.stderr and "train.py\", line" not in result.stderr  # no worker raised
     # 2. Resumed (rank 1's share of epoch 1 is done, rank 0 has a step left), SIGKILL of torchrun and both ranks
-    #    right after the mid-epoch save of epoch 2.
-    result = launch(2, "tests/faults.py", "killpg-after-save:2", "train.py", "--resume", run_dir)
-    assert result.returncode != 0 and position(run_dir) == (1, 1)
-    # 3. Resumed; rank 0's disk is full at its second save: every rank ends with one line, and last.pt stays the
-    #    end-of-epoch-2 checkpoint.
+    #    right after the end-of-epoch save.
+    result = launch(2, "tests/faults.py", "killpg-after-save:1", "train.py", "--resume", run_dir)
+    assert result.returncode != 0 and position(run_dir) == (1, 0)
+    # 3. Resumed; rank 0's disk is full at its second save (the end of epoch 2): every rank ends with one line, and
+    #    last.pt stays the mid-epoch checkpoint of epoch 2.
     result = launch(2, "tests/faults.py", "enospc-in-save:2", "train.py", "--resume", run_dir)
     message = (f"train.py: error: cannot save checkpoint {run_dir / 'weights' / 'last.pt'}: No space left on "
                f"device; the previous checkpoint there, if any, is intact")
     assert result.returncode != 0 and result.stderr.count(message) == 1
-    assert position(run_dir) == (2, 0) and not (run_dir / "weights" / "last.pt.tmp").exists()
-    # 4. Resumed from the end of epoch 2 to the end.
+    assert position(run_dir) == (1, 1) and not (run_dir / "weights" / "last.pt.tmp").exists()
+    # 4. Resumed from the middle of epoch 2 to the end.
     result = launch(2, "train.py", "--resume", run_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_run(run_dir, reference[2])
