@@ -66,7 +66,11 @@ def parse_args(argv=None):
                         help="continue a run exactly: a checkpoint, a run directory, or (no PATH) the newest run "
                              "under project; the recipe comes from the checkpoint")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. optim.lr=0.05")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.resume and "=" in args.resume and not Path(args.resume).exists():  # `--resume key=value`: no PATH
+        args.overrides.insert(0, args.resume)
+        args.resume = ""
+    return args
 
 
 @record  # under torchrun, an unexpected error's traceback becomes the reported root cause of the failure

@@ -129,3 +129,9 @@ def test_stop_vote_counts_a_signal_and_a_non_finite_loss_one_step_later():
         assert vote.cast(torch.tensor(3.0), 3) == (False, None)
         assert vote.settle() == (True, None)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_bare_resume_followed_by_overrides_takes_them_as_overrides():
+    args = train.parse_args(["--resume", "train.epochs=30", "project=runs/x"])
+    assert args.resume == "" and args.overrides == ["train.epochs=30", "project=runs/x"]
+    assert train.parse_args(["--resume", "runs/train/exp", "train.epochs=30"]).resume == "runs/train/exp"

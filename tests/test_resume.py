@@ -88,8 +88,8 @@ def test_one_process_stopped_and_killed_at_any_moment_resumes_to_bit_identical_w
     # 3. Resumed (the orphan epoch-1 row and events are dropped), SIGKILLed right after the end-of-epoch save.
     result = launch(1, "tests/faults.py", "killpg-after-save:1", "train.py", "--resume", run_dir)
     assert result.returncode != 0 and position(run_dir) == (1, 0)
-    # 4. Resumed from the end of epoch 1 to the end.
-    result = launch(1, "train.py", "--resume", run_dir)
+    # 4. Resumed from the end of epoch 1 to the end: a bare --resume takes the newest run under project.
+    result = launch(1, "train.py", "--resume", f"project={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming at epoch 2, step 0" in result.stdout
     assert_same_run(run_dir, reference[1])
