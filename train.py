@@ -106,7 +106,7 @@ def prepare_run(args):
             raise SharedError("--resume takes the recipe from the checkpoint: leave out --recipe (key=value "
                               "overrides may still extend train.epochs, or change data.workers or device)")
         project = parse_overrides(args.overrides).get("project", Recipe.project)
-        path, run_dir, ckpt = on_rank0(read_resume, args.resume, project)
+        run_dir, path, ckpt = on_rank0(read_resume, args.resume, project)
         return load_resumed_recipe(ckpt["recipe"], args.overrides, source=path), Path(run_dir), (path, ckpt)
     cfg = load_recipe(args.recipe or "cls.yaml", args.overrides)
     if RESTART_COUNT:  # torchrun restarted the workers after a failure: continue this job's run where it stopped
@@ -120,9 +120,9 @@ def prepare_run(args):
 
 
 def read_resume(resume, project):
-    """Rank 0: (path, run directory, checkpoint) for --resume."""
+    """Rank 0: (run directory, checkpoint path, checkpoint) for --resume."""
     path = find_resume_checkpoint(resume, project)
-    return str(path), str(run_dir_of(path)), load_training_checkpoint(path)
+    return str(run_dir_of(path)), str(path), load_training_checkpoint(path)
 
 
 def read_restarted_run(project, name):
@@ -158,6 +158,9 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
                        grad_scaler(device, dtype))
     if resume:
         restore(state, *resume, classes, cfg.train.epochs)
+        if resume[1].get("train_images", len(train_set)) != len(train_set):
+            LOGGER.warning(f"{resume[0]} was trained on {resume[1]['train_images']} training images, the data now "
+                           f"holds {len(train_set)}: the order and the resumed epoch's remaining steps differ")
     if WORLD_SIZE > 1:
         state.model = smart_DDP(model, device)  # after restore: DDP starts every rank from rank 0's weights
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing, reduction="sum")
@@ -171,7 +174,8 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
     continuing = run_dir is not None  # resumed, or restarted by torchrun into this job's run
     run_dir = resumed_run_dir(run_dir, cfg) if continuing else make_run_dir(cfg)
     logger = RunLogger(run_dir, recipe_to_yaml(cfg), state.epoch if continuing else None) if RANK == 0 else None
-    save = lambda *names: save_state(state, cfg, classes, [run_dir / "weights" / n for n in names])  # noqa: E731
+    save = lambda *names: save_state(state, cfg, classes, len(train_set),  # noqa: E731 (all ranks call it)
+                                     [run_dir / "weights" / n for n in names])
     start = time.time()
     with StopVote(device) as vote:
         for epoch in range(state.epoch, cfg.train.epochs):
@@ -196,8 +200,9 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
             if logger:
                 logger.log_epoch(metrics)
                 LOGGER.info(epoch_summary(metrics, cfg.train.epochs))
-            save("last.pt", *(["best.pt"] if improved else []))
-            if vote.settle()[0] and epoch + 1 < cfg.train.epochs:  # a signal during validation: stop here
+            stop_asked = check_vote(vote.settle(weights_sum(state.model)), epoch, steps)  # signal in validation?
+            save(*(["best.pt"] if improved else []), "last.pt")  # last.pt last: it commits the epoch
+            if stop_asked and epoch + 1 < cfg.train.epochs:
                 stop(vote, run_dir, epoch + 1, 0, steps)
     if logger:
         logger.close()
@@ -220,7 +225,7 @@ def train_one_epoch(state, loader, normalize, criterion, dtype, cfg, epoch, vote
                disable=True if RANK else None, leave=False)
     start = last_shown = time.monotonic()
     stop = False
-    with join_uneven_inputs(state.model):
+    with join_uneven_inputs(state.model, fewest < most):
         for step, (images, targets) in enumerate(bar, state.step):
             images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             if show_batch:
@@ -234,7 +239,7 @@ def train_one_epoch(state, loader, normalize, criterion, dtype, cfg, epoch, vote
             if step < fewest:  # every rank takes this step, so all can vote and save (collectives) after it
                 stop = check_vote(vote.cast(loss, step), epoch, most)
                 if stop or wants_save(cfg.train.save_every_steps, epoch * most + state.step, state.step, most):
-                    stop = check_vote(vote.settle(), epoch, most) or stop  # never save a non-finite state
+                    stop = check_vote(vote.settle(weights_sum(state.model)), epoch, most) or stop  # never save NaN
                     state.epoch_loss = add_epoch_loss(state.epoch_loss, loss_sum, seen, device)
                     loss_sum.zero_()
                     seen = 0
@@ -274,9 +279,19 @@ def train_step(state, images, targets, criterion, dtype, clip_grad_norm, step_sa
     return loss_sum.detach()
 
 
+def weights_sum(model):
+    """A number that is not finite if any weight is, voted on before each save: a step whose loss was finite but
+    whose gradients overflowed must not be saved either."""
+    return torch.stack([p.detach().float().sum() for p in de_parallel(model).parameters()]).sum()
+
+
 def check_vote(verdict, epoch, steps):
-    """The vote's stop flag; a non-finite loss on any rank ends the run on every rank, before anything is saved."""
+    """The vote's stop flag; a non-finite loss (or weights) on any rank ends the run on every rank, unsaved."""
     stop, bad_step = verdict
+    if bad_step == -1:
+        raise SharedError(f"the weights became non-finite (nan or inf) in epoch {epoch + 1}; stopped "
+                          f"without saving, so weights/last.pt keeps the last good state. Lower optim.lr, set "
+                          f"optim.clip_grad_norm, or train in fp32")
     if bad_step is not None:
         raise SharedError(f"the training loss is not finite (nan or inf) at epoch {epoch + 1}, step {bad_step + 1}/"
                           f"{steps}; stopped without saving, so weights/last.pt keeps the last good state. Lower "
@@ -323,7 +338,7 @@ def resume_command(run_dir):
     return f"torchrun --nproc_per_node={LOCAL_WORLD_SIZE}{extra} train.py --resume {run_dir}"
 
 
-def save_state(state, cfg, classes, paths):
+def save_state(state, cfg, classes, train_images, paths):
     """Save a checkpoint of the run where it is to each of paths (with every rank's random state; all ranks call
     this together, rank 0 writes)."""
     rng = gather_object(rng_states())
@@ -334,7 +349,7 @@ def save_state(state, cfg, classes, paths):
             "scheduler": state.scheduler.state_dict(), "scaler": state.scaler.state_dict(), "epoch": state.epoch,
             "step": state.step, "epoch_loss": list(state.epoch_loss), "best_top1": state.best_top1,
             "best_epoch": state.best_epoch, "classes": list(classes), "recipe": OmegaConf.to_container(cfg),
-            "rng": rng, "ema": None}  # ema: room for EMA weights
+            "rng": rng, "train_images": train_images, "ema": None}  # ema: room for EMA weights
         for path in paths:
             save_checkpoint(checkpoint, path)
     on_rank0(write)

@@ -31,7 +31,7 @@ def saved_state(state, cfg, path, classes=("a", "b")):
     state.optimizer.step()
     state.scheduler.step()
     state.epoch, state.step = 1, 3
-    train.save_state(state, cfg, list(classes), [path])
+    train.save_state(state, cfg, list(classes), 17, [path])
     return load_checkpoint(path)
 
 
@@ -40,7 +40,7 @@ def test_full_training_state_round_trips_with_weights_only(tmp_path):
     state = train_state(cfg)
     ckpt = saved_state(state, cfg, tmp_path / "last.pt")
     assert ckpt["recipe"] == OmegaConf.to_container(cfg) and ckpt["classes"] == ["a", "b"]
-    assert (ckpt["epoch"], ckpt["step"], len(ckpt["rng"])) == (1, 3, 1) and "ema" in ckpt
+    assert (ckpt["epoch"], ckpt["step"], len(ckpt["rng"]), ckpt["train_images"]) == (1, 3, 1, 17) and "ema" in ckpt
     fresh = train_state(cfg)
     train.restore(fresh, "last.pt", ckpt, ["a", "b"], cfg.train.epochs)
     assert all(torch.equal(a, b) for a, b in zip(fresh.model.state_dict().values(), state.model.state_dict().values()))

@@ -151,6 +151,14 @@ def test_resume_may_change_only_what_cannot_change_the_run_so_far():
         load_resumed_recipe(saved, ["optim.lrr=0.5"])
 
 
+def test_sync_bn_on_several_processes_needs_drop_last(monkeypatch):
+    import utils.config
+    monkeypatch.setattr(utils.config, "WORLD_SIZE", 2)
+    with pytest.raises(RecipeError, match="model.sync_bn must be used with data.drop_last=true on several processes"):
+        load_recipe("cls.yaml", ["model.sync_bn=true"])
+    assert load_recipe("cls.yaml", ["model.sync_bn=true", "data.drop_last=true"]).model.sync_bn
+
+
 def test_new_keys_are_checked():
     for override, message in {"model.norm=layer": "model.norm must be batch, group or none",
                               "train.save_every_steps=-1": "train.save_every_steps must be >= 0"}.items():

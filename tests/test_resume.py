@@ -130,11 +130,12 @@ def test_two_processes_preempted_killed_and_out_of_disk_resume_to_bit_identical_
 
 
 def test_torchrun_restarts_a_killed_worker_and_continues_the_same_run(data, reference, tmp_path):
-    # Rank 1 votes 4 times an epoch (2 steps, 2 settles): its 6th vote is in epoch 2, just after the mid-epoch save.
-    result = launch(2, "tests/faults.py", "kill-rank-at-step:6:1", "train.py", *RECIPE, f"data.name={data}",
+    # Rank 1's votes: epoch 1 has 5 (steps 1 and 2, the settle before the mid-epoch save, after the loop, after
+    # validation); its 8th is at step 2 of epoch 2, just after that epoch's mid-epoch save at step 1.
+    result = launch(2, "tests/faults.py", "kill-rank-at-step:8:1", "train.py", *RECIPE, f"data.name={data}",
                     f"project={tmp_path}", max_restarts=1)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "torchrun restart 1: continuing" in result.stdout and "last.pt" in result.stdout
+    assert "torchrun restart 1: continuing" in result.stdout and "resuming at epoch 2, step 1" in result.stdout
     assert [p.name for p in tmp_path.iterdir()] == ["exp"]
     assert_same_run(tmp_path / "exp", reference[2])
 

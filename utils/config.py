@@ -22,7 +22,7 @@ class ModelConfig:
     depth: int = 3  # convnet: number of stages (two 3x3 convs each); a 2x max-pool sits between stages
     dropout: float = 0.0  # convnet: dropout before the classifier
     norm: str = "batch"  # convnet: batch, group (per-sample statistics, the same at any number of processes) or none
-    sync_bn: bool = False  # CUDA, several processes: BatchNorm statistics over the global batch (SyncBatchNorm)
+    sync_bn: bool = False  # CUDA, several processes, with data.drop_last: BatchNorm over the global batch (SyncBatchNorm)
 
 
 @dataclass
@@ -214,6 +214,9 @@ def check_values(cfg, source):
     require(cfg.model.width >= 1 and cfg.model.depth >= 1, "model.width", "positive (and so must model.depth)")
     require(0 <= cfg.model.dropout < 1, "model.dropout", "in [0, 1)")
     require(cfg.model.norm in ("batch", "group", "none"), "model.norm", "batch, group or none")
+    require(not cfg.model.sync_bn or cfg.data.drop_last or WORLD_SIZE == 1, "model.sync_bn",
+            "used with data.drop_last=true on several processes (SyncBatchNorm's collectives need every rank to "
+            "take every step)")
     require(cfg.data.img_size >= 1, "data.img_size", "a positive number of pixels")
     require(len(cfg.data.scale) == 2 and 0 < cfg.data.scale[0] <= cfg.data.scale[1] <= 1, "data.scale",
             "[min, max] with 0 < min <= max <= 1")

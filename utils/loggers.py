@@ -53,10 +53,11 @@ def keep_rows(csv_path, epochs):
     if not csv_path.exists():
         return
     with open(csv_path, newline="") as f:
-        rows = list(csv.reader(f))
+        rows = [row for row in csv.reader(f) if row]
     tmp = csv_path.with_name(f"{csv_path.name}.tmp")
-    with open(tmp, "w", newline="") as f:
-        csv.writer(f).writerows([rows[0], *(row for row in rows[1:] if int(row[0]) <= epochs)])
+    with open(tmp, "w", newline="") as f:  # a row cut short by a kill mid-write is dropped too
+        csv.writer(f).writerows([COLUMNS, *(row for row in rows[1:] if len(row) == len(COLUMNS)
+                                            and row[0].isdigit() and int(row[0]) <= epochs)])
     os.replace(tmp, csv_path)
 
 

@@ -14,7 +14,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 class StopVote:
     """Each step every rank casts a vote (a stop signal arrived; this step's loss is not finite); the votes are
-    combined over ranks in the background and counted one step later, so neither host nor device waits for them.
+    combined over ranks in the background and counted one step later, so no step waits for the collective (on
+    CUDA the host then waits at most for the previous step's work, which it rarely runs far ahead of).
 
     Use as a context manager around training: it catches SIGTERM and SIGINT, which then only ask for a stop. A
     second Ctrl-C more than a second after the first (torchrun passes the first one on as well) quits at once.
@@ -76,6 +77,6 @@ class StopVote:
         stop, bad_step = self.count()
         if loss is None:
             loss = torch.zeros((), device=self.device)
-        self.cast(loss, step)
+        self.cast(loss, step)  # step -1: the weights, not a step's loss, were voted on
         last_stop, last_bad = self.count()
         return stop or last_stop, bad_step if bad_step is not None else last_bad

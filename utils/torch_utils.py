@@ -161,9 +161,10 @@ def de_parallel(model):
     return model.module if isinstance(model, DDP) else model
 
 
-def join_uneven_inputs(model):
-    """Context that lets DDP ranks run different numbers of steps (no sample is padded or dropped)."""
-    return model.join() if isinstance(model, DDP) else nullcontext()
+def join_uneven_inputs(model, uneven=True):
+    """Context that lets DDP ranks run different numbers of steps (no sample is padded or dropped); with even
+    shares it is off and costs nothing."""
+    return model.join(enable=uneven) if isinstance(model, DDP) else nullcontext()
 
 
 @contextmanager
