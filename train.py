@@ -220,7 +220,7 @@ def train_one_epoch(state, loader, normalize, criterion, dtype, cfg, epoch, vote
     device, sampler = next(de_parallel(state.model).parameters()).device, loader.sampler
     most, fewest = sampler.steps()  # ranks' shares differ by a sample, so a rank may take one step fewer
     loss_sum, seen, tail_loss = torch.zeros((), dtype=torch.float64, device=device), 0, None
-    images_before = state.epoch_loss[1]
+    loss_before = state.epoch_loss  # of the steps done before this call (a resumed epoch's first part)
     bar = tqdm(loader, desc=f"{epoch + 1}/{cfg.train.epochs}", initial=state.step, total=most,
                disable=True if RANK else None, leave=False)
     start = last_shown = time.monotonic()
@@ -240,9 +240,7 @@ def train_one_epoch(state, loader, normalize, criterion, dtype, cfg, epoch, vote
                 stop = check_vote(vote.cast(loss, step), epoch, most)
                 if stop or wants_save(cfg.train.save_every_steps, epoch * most + state.step, state.step, most):
                     stop = check_vote(vote.settle(weights_sum(state.model)), epoch, most) or stop  # never save NaN
-                    state.epoch_loss = add_epoch_loss(state.epoch_loss, loss_sum, seen, device)
-                    loss_sum.zero_()
-                    seen = 0
+                    state.epoch_loss = add_epoch_loss(loss_before, loss_sum, seen, device)
                     save("last.pt")  # here, in the loop: leaving join() would sync the model from another rank
                 if stop:
                     break
@@ -255,10 +253,10 @@ def train_one_epoch(state, loader, normalize, criterion, dtype, cfg, epoch, vote
     if not stop:
         stop = check_vote(vote.settle(tail_loss, most - 1), epoch, most)
         state.step = most  # also on a rank that took one step fewer
-        state.epoch_loss = add_epoch_loss(state.epoch_loss, loss_sum, seen, device)
+        state.epoch_loss = add_epoch_loss(loss_before, loss_sum, seen, device)
         if stop:
             save("last.pt")
-    return state.epoch_loss[1] - images_before, stop
+    return state.epoch_loss[1] - loss_before[1], stop
 
 
 def train_step(state, images, targets, criterion, dtype, clip_grad_norm, step_samples):
