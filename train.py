@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 from torch import nn
-from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
+from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 from data.datasets import build_dataloader, build_datasets, check_shareable, dataset_root, set_epoch
@@ -23,14 +23,14 @@ from data.transforms import normalizer, train_transforms, val_transforms
 from models import build_model, check_input_size
 from utils.checkpoint import find_resume_checkpoint, load_training_checkpoint, run_dir_of, save_checkpoint
 from utils.config import Recipe, check_resumable, load_recipe, load_resumed_recipe, parse_overrides, recipe_to_yaml
-from utils.general import LOGGER, SharedError, UsageError, colorstr, error_line, increment_path
-from utils.loggers import RunLogger, epoch_summary
+from utils.general import LOGGER, SharedError, UsageError, colorstr, increment_path
+from utils.loggers import WRONG_SHOWN, RunLogger, epoch_summary
 from utils.metrics import evaluate
 from utils.optim import build_optimizer, build_scheduler
 from utils.stopping import StopVote
 from utils.torch_utils import (LOCAL_WORLD_SIZE, RANK, RESTART_COUNT, RUN_ID, WORLD_SIZE, all_reduce_sum, autocast,
                                autocast_dtype, broadcast_buffers, broadcast_optimizer_state, broadcast_scaler_state,
-                               cleanup_distributed, de_parallel, gather_object, grad_scaler, init_seeds,
+                               cleanup_distributed, de_parallel, exit_on_error, gather_object, grad_scaler, init_seeds,
                                join_uneven_inputs, on_rank0, rng_states, select_device, set_device, set_rng_states,
                                set_threads, setup_distributed, smart_DDP, sync_batchnorm)
 
@@ -54,6 +54,7 @@ class TrainState:
     epoch: int = 0  # epochs done
     step: int = 0  # steps done in the next epoch
     epoch_loss: tuple = (0.0, 0)  # (summed train loss, samples) of those steps, over all ranks
+    logged_loss: tuple = (0.0, 0)  # epoch_loss when the loss was last logged (every train.log_every_steps steps)
     best_top1: float = -1.0
     best_epoch: int = 0
 
@@ -89,11 +90,7 @@ def main(argv=None):
         finally:
             cleanup_distributed()
     except UsageError as e:
-        if RANK == 0 or not isinstance(e, SharedError):  # a shared error is the same on every rank: say it once
-            prefix = "" if isinstance(e, SharedError) or WORLD_SIZE == 1 else f"[rank {RANK}] "
-            print(f"{prefix}train.py: error: {error_line(e)}", file=sys.stderr)
-            get_error_handler().record_exception(e)  # torchrun's summary then names the cause (another machine's)
-        sys.exit(2)
+        exit_on_error("train.py", e)
     except Stopped as e:
         sys.exit(128 + e.signum)
 
@@ -173,32 +170,36 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
     # Only now: a run that fails on its data or model leaves no directory behind.
     continuing = run_dir is not None  # resumed, or restarted by torchrun into this job's run
     run_dir = resumed_run_dir(run_dir, cfg) if continuing else make_run_dir(cfg)
-    logger = RunLogger(run_dir, recipe_to_yaml(cfg), state.epoch if continuing else None) if RANK == 0 else None
-    save = lambda *names: save_state(state, cfg, classes, len(train_set),  # noqa: E731 (all ranks call it)
-                                     [run_dir / "weights" / n for n in names])
+    logger = RunLogger(run_dir, cfg, classes, (state.epoch, state.epoch * steps + state.step) if continuing else None
+                       ) if RANK == 0 else None
+
+    def save(*names):  # all ranks call it; the events logged so far are flushed first, so a kill loses none of them
+        if logger:
+            logger.tb.flush()
+        save_state(state, cfg, classes, len(train_set), [run_dir / "weights" / n for n in names])
     start = time.time()
     with StopVote(device) as vote:
         for epoch in range(state.epoch, cfg.train.epochs):
             epoch_start = time.time()
             set_epoch(train_loader, epoch, state.step)
-            show = (lambda x: logger.log_images("train/batch", x[:64] / 255)) if logger and not (
-                epoch or state.step or resume) else None
             images_seen, stopped = train_one_epoch(state, train_loader, normalize, criterion, dtype, cfg, epoch,
-                                                   vote, save, show)
+                                                   vote, save, logger, show_batch=not (epoch or state.step or resume))
             if stopped:
                 stop(vote, run_dir, epoch, state.step, steps)
             train_time = time.time() - epoch_start
             keep_ranks_in_step(state, train_loader, epoch)
-            metrics = evaluate(de_parallel(state.model), val_loader, normalize, len(classes), device, dtype)
+            metrics = evaluate(de_parallel(state.model), val_loader, normalize, len(classes), device, dtype,
+                               keep_wrong=WRONG_SHOWN if logger else 0)
             loss_sum, seen = state.epoch_loss
-            metrics.update({"epoch": epoch + 1, "train/loss": loss_sum / seen, "lr": optimizer.param_groups[0]["lr"],
-                            "epoch_time": time.time() - epoch_start, "train/img_s": images_seen / train_time})
-            state.epoch, state.step, state.epoch_loss = epoch + 1, 0, (0.0, 0)
+            metrics.update({"epoch": epoch + 1, "train/loss": loss_sum / seen,
+                            "lr/pg0": optimizer.param_groups[0]["lr"], "time/epoch": time.time() - epoch_start,
+                            "time/img_s": images_seen / train_time})
+            state.epoch, state.step, state.epoch_loss, state.logged_loss = epoch + 1, 0, (0.0, 0), (0.0, 0)
             improved = metrics["val/top1"] > state.best_top1
             if improved:
                 state.best_top1, state.best_epoch = metrics["val/top1"], epoch + 1
             if logger:
-                logger.log_epoch(metrics)
+                logger.log_epoch(metrics, (epoch + 1) * steps)
                 LOGGER.info(epoch_summary(metrics, cfg.train.epochs))
             stop_asked = check_vote(vote.settle(weights_sum(state.model)), epoch, steps)  # signal in validation?
             save(*(["best.pt"] if improved else []), "last.pt")  # last.pt last: it commits the epoch
@@ -206,16 +207,24 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
                 stop(vote, run_dir, epoch + 1, 0, steps)
     if logger:
         logger.close()
-        LOGGER.info(f"\n{cfg.train.epochs} epochs in {time.time() - start:.1f}s. Results saved to "
-                    f"{colorstr('bold', str(run_dir))}\nBest val top-1 {state.best_top1:.2%} at epoch "
-                    f"{state.best_epoch}: {run_dir / 'weights' / 'best.pt'}\nView the run: tensorboard --logdir "
-                    f"{run_dir.parent}")
+        LOGGER.info(next_steps(run_dir, state, cfg.train.epochs, time.time() - start, val_set.root))
     return state.best_top1
 
 
-def train_one_epoch(state, loader, normalize, criterion, dtype, cfg, epoch, vote, save, show_batch=None):
+def next_steps(run_dir, state, epochs, seconds, val_folder):
+    """The end of a run: where its results are, its best score, and the commands that use them."""
+    best = run_dir / "weights" / "best.pt"
+    return (f"\n{epochs} epochs in {seconds:.1f}s. Results saved to {colorstr('bold', str(run_dir))} (results.csv, "
+            f"results.png, TensorBoard events, weights/)\nBest val top-1 {state.best_top1:.2%} at epoch "
+            f"{state.best_epoch}: {best}\nNext:\n  tensorboard --logdir {run_dir.parent}\n"
+            f"  python val.py --weights {best}\n  python predict.py --weights {best} --source {val_folder}\n"
+            f"  python export.py --weights {best} --format onnx")
+
+
+def train_one_epoch(state, loader, normalize, criterion, dtype, cfg, epoch, vote, save, logger=None, show_batch=False):
     """Train this rank's share of the epoch from step state.step to its end, or until the ranks agree to stop
-    (state.step then says where, and last.pt holds it); returns (images all ranks trained on, whether stopped)."""
+    (state.step then says where, and last.pt holds it); returns (images all ranks trained on, whether stopped).
+    Rank 0's logger gets the loss every train.log_every_steps steps, and with show_batch the first batch."""
     state.model.train()
     device, sampler = next(de_parallel(state.model).parameters()).device, loader.sampler
     most, fewest = sampler.steps()  # ranks' shares differ by a sample, so a rank may take one step fewer
@@ -228,16 +237,18 @@ def train_one_epoch(state, loader, normalize, criterion, dtype, cfg, epoch, vote
     with join_uneven_inputs(state.model, fewest < most):
         for step, (images, targets) in enumerate(bar, state.step):
             images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            if show_batch:
-                show_batch(images)
-                show_batch = None
+            if show_batch and logger:
+                logger.log_batch(images[:32], targets[:32])
+                show_batch = False
             loss = train_step(state, normalize(images), targets, criterion, dtype, cfg.optim.clip_grad_norm,
                               sampler.step_samples(step))
             loss_sum += loss
             seen += len(targets)
             state.step = step + 1
-            if step < fewest:  # every rank takes this step, so all can vote and save (collectives) after it
+            if step < fewest:  # every rank takes this step, so all can vote, log and save (collectives) after it
                 stop = check_vote(vote.cast(loss, step), epoch, most)
+                if cfg.train.log_every_steps and state.step % cfg.train.log_every_steps == 0:  # before a save
+                    log_loss(state, logger, epoch * most + state.step, loss_before, loss_sum, seen)
                 if stop or wants_save(cfg.train.save_every_steps, epoch * most + state.step, state.step, most):
                     stop = check_vote(vote.settle(weights_sum(state.model)), epoch, most) or stop  # never save NaN
                     state.epoch_loss = add_epoch_loss(loss_before, loss_sum, seen, device)
@@ -275,6 +286,16 @@ def train_step(state, images, targets, criterion, dtype, clip_grad_norm, step_sa
     state.scaler.update()
     state.scheduler.step()
     return loss_sum.detach()
+
+
+def log_loss(state, logger, global_step, loss_before, loss_sum, seen):
+    """Log the mean loss, over all ranks, of the steps since it was last logged (all ranks call this). It is kept
+    as a difference of the epoch's running totals, which checkpoints hold, so a resumed run logs the same values."""
+    state.epoch_loss = add_epoch_loss(loss_before, loss_sum, seen, loss_sum.device)
+    (total, n), (logged, logged_n) = state.epoch_loss, state.logged_loss
+    if logger and n > logged_n:
+        logger.log_step(global_step, (total - logged) / (n - logged_n))
+    state.logged_loss = state.epoch_loss
 
 
 def weights_sum(model):
@@ -345,7 +366,8 @@ def save_state(state, cfg, classes, train_images, paths):
         checkpoint = {
             "model": de_parallel(state.model).state_dict(), "optimizer": state.optimizer.state_dict(),
             "scheduler": state.scheduler.state_dict(), "scaler": state.scaler.state_dict(), "epoch": state.epoch,
-            "step": state.step, "epoch_loss": list(state.epoch_loss), "best_top1": state.best_top1,
+            "step": state.step, "epoch_loss": list(state.epoch_loss),
+            "logged_loss": list(state.logged_loss), "best_top1": state.best_top1,
             "best_epoch": state.best_epoch, "classes": list(classes), "recipe": OmegaConf.to_container(cfg),
             "rng": rng, "train_images": train_images, "ema": None}  # ema: room for EMA weights
         for path in paths:
@@ -373,6 +395,7 @@ def restore(state, path, ckpt, classes, epochs):
         group["lr"] = base_lr * factor(state.scheduler.last_epoch)
     state.scaler.load_state_dict(ckpt["scaler"])
     state.epoch, state.step, state.epoch_loss = ckpt["epoch"], ckpt["step"], tuple(ckpt["epoch_loss"])
+    state.logged_loss = tuple(ckpt.get("logged_loss", state.epoch_loss))
     state.best_top1, state.best_epoch = ckpt["best_top1"], ckpt["best_epoch"]
     if RANK < len(ckpt["rng"]):
         set_rng_states(ckpt["rng"][RANK])

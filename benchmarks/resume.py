@@ -1,7 +1,7 @@
 """What resuming and mid-epoch checkpoints cost, measured side by side in one run.
 
 1. train.save_every_steps: the epoch time of train.py with mid-epoch saves against the same run without, sides
-   alternated, as the ratio of median epoch times (results.csv's epoch_time, which includes the end-of-epoch
+   alternated, as the ratio of median epoch times (results.csv's time/epoch, which includes the end-of-epoch
    save and validation); and, more precisely on a noisy machine, the median time of one save of the run's
    last.pt (written as train.py does: temporary file, fsync, rename) times the saves per epoch, as a share of
    the epoch.
@@ -46,7 +46,7 @@ def train(*args):
 
 def epoch_times(run_dir):
     with open(run_dir / "results.csv") as f:
-        return [float(row["epoch_time"]) for row in csv.DictReader(f)]
+        return [float(row["time/epoch"]) for row in csv.DictReader(f)]
 
 
 def main():

@@ -108,6 +108,30 @@ def image_folder(folder, transform):
     return dataset
 
 
+def labelled_as(dataset, classes, unknown_means):
+    """An ImageFolder relabelled with the indices of classes (those of training, which it may have fewer of); a
+    class folder not among them is an error whose message ends with unknown_means."""
+    unknown = sorted(set(dataset.classes) - set(classes))
+    if unknown:
+        raise DatasetError(f"{dataset.root}: classes {unknown} {unknown_means}")
+    if dataset.classes != list(classes):
+        index = {name: i for i, name in enumerate(classes)}
+        dataset.samples = [(path, index[dataset.classes[i]]) for path, i in dataset.samples]
+        dataset.imgs, dataset.targets = dataset.samples, [i for _, i in dataset.samples]
+        dataset.classes, dataset.class_to_idx = list(classes), index
+    return dataset
+
+
+def eval_dataset(root, split, transform, classes, weights):
+    """root's split (train, val or test) labelled with the classes a checkpoint (weights) was trained on."""
+    folder = root / split if split != "val" else split_dir(root, "val")
+    if not folder.is_dir():
+        raise DatasetError(f"{root}: no {split}/ folder (an ImageFolder root holds train/, val/ or test/, each "
+                           f"with one folder per class)")
+    return labelled_as(image_folder(folder, transform), classes,
+                       f"are not among the {len(classes)} classes {weights} was trained on")
+
+
 def skip_unreadable(dataset):
     """Drop a dataset's unreadable images (each decoded once, see data/verify.py); return them as {path: reason}."""
     folder = Path(dataset.root)
@@ -135,15 +159,8 @@ def build_datasets(root, train_transform, val_transform, skip_corrupt=False):
     """Train and val ImageFolders, unreadable images dropped if skip_corrupt; val labels follow train's class
     indices (val may lack some classes)."""
     train_set = image_folder(split_dir(root, "train"), train_transform)
-    val_set = image_folder(split_dir(root, "val"), val_transform)
-    unknown = sorted(set(val_set.classes) - set(train_set.classes))
-    if unknown:
-        raise DatasetError(f"{split_dir(root, 'val')}: classes {unknown} have no training images in "
-                           f"{split_dir(root, 'train')}")
-    if val_set.classes != train_set.classes:
-        val_set.samples = [(path, train_set.class_to_idx[val_set.classes[i]]) for path, i in val_set.samples]
-        val_set.imgs, val_set.targets = val_set.samples, [i for _, i in val_set.samples]
-        val_set.classes, val_set.class_to_idx = train_set.classes, train_set.class_to_idx
+    val_set = labelled_as(image_folder(split_dir(root, "val"), val_transform), train_set.classes,
+                          f"have no training images in {split_dir(root, 'train')}")
     if skip_corrupt:
         skipped = {**skip_unreadable(train_set), **skip_unreadable(val_set)}
         if skipped and RANK == 0:  # every rank skipped the same files

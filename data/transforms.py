@@ -21,8 +21,20 @@ def train_transforms(cfg):
 
 def val_transforms(cfg):
     """Resize to img_size / crop_pct and centre-crop img_size, to a uint8 (C, H, W) tensor."""
-    resize = round(cfg.img_size / cfg.crop_pct)
-    return v2.Compose([v2.Resize(resize, antialias=True), v2.CenterCrop(cfg.img_size), v2.ToImage()])
+    return v2.Compose([v2.Resize(resize_size(cfg), antialias=True), v2.CenterCrop(cfg.img_size), v2.ToImage()])
+
+
+def resize_size(cfg):
+    """The side the shorter image side is resized to before the centre crop of validation and inference."""
+    return round(cfg.img_size / cfg.crop_pct)
+
+
+def preprocessing(cfg):
+    """What a deployed model needs to know to prepare an image as validation does, as plain values."""
+    return {"img_size": cfg.img_size, "resize": resize_size(cfg), "crop_pct": cfg.crop_pct, "mean": list(cfg.mean),
+            "std": list(cfg.std), "steps": "RGB; resize the shorter side to resize (bilinear, antialiased); "
+                                           "centre-crop img_size x img_size; scale to [0, 1]; subtract mean and "
+                                           "divide by std per channel"}
 
 
 def normalizer(cfg, device):

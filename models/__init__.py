@@ -29,6 +29,17 @@ def build_model(cfg, num_classes):
                                         **MAIN_HEAD_ONLY.get(cfg.name, {}))
 
 
+def model_from_checkpoint(ckpt, cfg, source):
+    """The network a checkpoint holds (built from its recipe cfg, with its weights) in eval mode."""
+    model = build_model(cfg.model, len(ckpt["classes"]))
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        raise UsageError(f"{source}: its weights do not fit the model of its recipe ({cfg.model.name}): "
+                         f"{str(e).strip().splitlines()[-1].strip()}") from None
+    return model.eval()
+
+
 @torch.no_grad()
 def check_input_size(model, name, img_size, device):
     """Run one blank image through model, so a network too deep for img_size, or built for one fixed size (vit_*),

@@ -1,5 +1,6 @@
 """Shared fixtures: tiny ImageFolders and launchers for train.py as one process or under torchrun."""
 
+import csv
 import os
 import subprocess
 import sys
@@ -32,6 +33,16 @@ def image_folder(tmp_path):
     return lambda counts, **kw: make_image_folder(tmp_path / "data", counts, **kw)
 
 
+@pytest.fixture
+def log(caplog):
+    """caplog that also sees LOGGER, which prints through its own handler and does not propagate."""
+    from utils.general import LOGGER
+
+    LOGGER.addHandler(caplog.handler)
+    yield caplog
+    LOGGER.removeHandler(caplog.handler)
+
+
 def clean_env():
     """The environment without torchrun's variables, so a child is one process unless launched by torchrun."""
     env = {k: v for k, v in os.environ.items()
@@ -51,3 +62,20 @@ def run_torchrun(*args, nproc=2, cwd=ROOT, timeout=600, launcher=("--standalone"
     """Run `torchrun --standalone --nproc_per_node=nproc ARGS`; return the CompletedProcess."""
     return run_python("-m", "torch.distributed.run", *launcher, f"--nproc_per_node={nproc}", *args, cwd=cwd,
                       timeout=timeout)
+
+
+def read_results(run_dir):
+    """results.csv of a run: (header, rows as dicts)."""
+    with open(run_dir / "results.csv") as f:
+        rows = list(csv.reader(f))
+    return rows[0], [dict(zip(rows[0], row)) for row in rows[1:]]
+
+
+@pytest.fixture(scope="session")
+def digits_run(tmp_path_factory):
+    """The README's first command: two processes under torchrun train the cls.yaml recipe on digits; (project,
+    CompletedProcess). Shared by the tests of training and of what comes after it (val.py, predict.py, export.py)."""
+    project = tmp_path_factory.mktemp("runs")
+    result = run_torchrun("train.py", "--recipe", "cls.yaml", f"project={project}")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return project, result

@@ -11,7 +11,7 @@ import pytest
 import data.verify
 from conftest import run_python, run_torchrun
 from data.datasets import DatasetError, ImageError, build_datasets, write_digits
-from utils.general import LOGGER, cpu_count
+from utils.general import cpu_count
 
 TRAIN_ARGS = ("train.epochs=1", "train.batch_size=4", "model.width=4", "data.img_size=8")
 
@@ -33,14 +33,6 @@ def train_cmd(root, tmp_path, *overrides):
     """train.py on a tiny ImageFolder: one epoch of a 4-channel convnet on 8x8 images."""
     return ("train.py", "--recipe", "cls.yaml", f"data.name={root}", *TRAIN_ARGS, f"project={tmp_path / 'runs'}",
             *overrides)
-
-
-@pytest.fixture
-def log(caplog):
-    """caplog that also sees LOGGER, which prints through its own handler and does not propagate."""
-    LOGGER.addHandler(caplog.handler)
-    yield caplog
-    LOGGER.removeHandler(caplog.handler)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ def schema_keys(cls, prefix=""):
 def test_readme_starts_with_the_two_setup_commands():
     first_block = README.split("```bash", 1)[1].split("```", 1)[0]
     assert "pip install -r requirements.txt && torchrun --nproc_per_node=2 train.py --recipe cls.yaml" in first_block
-    assert "pip install -r requirements.txt && python -m pytest -q tests" in first_block
+    assert "pip install -r requirements.txt -r requirements-export.txt && python -m pytest -q tests" in first_block
 
 
 def test_readme_documents_every_recipe_key():
@@ -29,4 +29,5 @@ def test_readme_documents_every_recipe_key():
 
 
 def test_ci_runs_the_readme_test_command():
-    assert "python -m pytest -q tests" in (ROOT / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "-r requirements.txt -r requirements-export.txt" in ci and "python -m pytest -q tests" in ci

@@ -18,8 +18,8 @@ from utils.checkpoint import load_checkpoint
 # DataLoader worker at one process (two processes on two cores get none): a worker leaves compute one thread, and
 # other thread counts round differently.
 RECIPE = ["--recipe", "cls.yaml", "train.epochs=3", "train.batch_size=8", "model.width=4", "model.dropout=0.2",
-          "data.scale=[0.5,1.0]", "train.save_every_steps=2", "data.workers=1"]
-TIME_COLUMNS = {"epoch_time", "train/img_s"}
+          "data.scale=[0.5,1.0]", "train.save_every_steps=2", "train.log_every_steps=1", "data.workers=1"]
+TIME_COLUMNS = {"time/epoch", "time/img_s"}
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +51,19 @@ def weights(run_dir):
 
 
 def assert_same_run(run_dir, reference_dir):
-    """Bit-identical final weights, the same results.csv apart from timings, and each epoch once in TensorBoard."""
+    """Bit-identical final weights, the same results.csv apart from timings, and each epoch and logged step once in
+    TensorBoard."""
     ours, theirs = weights(run_dir), weights(reference_dir)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     rows, reference_rows = results(run_dir), results(reference_dir)
     assert [r["epoch"] for r in rows] == ["1", "2", "3"]
     assert [{k: v for k, v in r.items() if k not in TIME_COLUMNS} for r in rows] == \
         [{k: v for k, v in r.items() if k not in TIME_COLUMNS} for r in reference_rows]
-    assert [e.step for e in EventAccumulator(str(run_dir)).Reload().Scalars("val/top1")] == [1, 2, 3]
+    ours, theirs = (EventAccumulator(str(d), size_guidance={"scalars": 0}).Reload() for d in (run_dir, reference_dir))
+    assert [e.step for e in ours.Scalars("val/top1")] == [3, 6, 9]  # each epoch once, at its last step
+    # The loss logged every step: the same steps and values, none lost or repeated across kills and resumes.
+    assert [(e.step, e.value) for e in ours.Scalars("train/loss_step")] == \
+        [(e.step, e.value) for e in theirs.Scalars("train/loss_step")]
 
 
 def results(run_dir):

@@ -1,26 +1,19 @@
 """train.py end to end: real runs on digits and tiny folders, their outputs, and failures before any work."""
 
-import csv
-
-import pytest
 import torch
 from omegaconf import OmegaConf
+from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
-from conftest import run_python, run_torchrun
+from conftest import ROOT, read_results, run_python, run_torchrun
 from data.datasets import build_dataloader, build_datasets, dataset_root
 from data.transforms import normalizer, val_transforms
 from models import build_model
 from utils.checkpoint import load_checkpoint
 from utils.config import Recipe, load_recipe
-from utils.loggers import COLUMNS
+from utils.loggers import COLUMNS, HPARAM_METRICS
 from utils.metrics import evaluate
-
-
-def read_results(run_dir):
-    with open(run_dir / "results.csv") as f:
-        rows = list(csv.reader(f))
-    return rows[0], [dict(zip(rows[0], row)) for row in rows[1:]]
 
 
 def evaluate_checkpoint(path):
@@ -35,15 +28,6 @@ def evaluate_checkpoint(path):
                     torch.device("cpu"))
 
 
-@pytest.fixture(scope="module")
-def digits_run(tmp_path_factory):
-    """The README's first command: two processes under torchrun train the cls.yaml recipe on digits."""
-    project = tmp_path_factory.mktemp("runs")
-    result = run_torchrun("train.py", "--recipe", "cls.yaml", f"project={project}")
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return project, result
-
-
 def test_torchrun_two_processes_reach_99_percent_on_digits(digits_run):
     project, result = digits_run
     header, rows = read_results(project / "exp")
@@ -51,8 +35,14 @@ def test_torchrun_two_processes_reach_99_percent_on_digits(digits_run):
     assert header == COLUMNS
     assert [int(r["epoch"]) for r in rows] == list(range(1, epochs + 1))
     assert float(rows[-1]["val/top1"]) >= 0.99
-    assert all(float(r["train/img_s"]) > 0 and float(r["epoch_time"]) > 0 for r in rows)
-    assert "Results saved to" in result.stdout and "tensorboard --logdir" in result.stdout
+    assert all(float(r["time/img_s"]) > 0 and float(r["time/epoch"]) > 0 for r in rows)
+    best = project / "exp" / "weights" / "best.pt"
+    assert "Results saved to" in result.stdout and f"tensorboard --logdir {project}" in result.stdout
+    assert f"python val.py --weights {best}" in result.stdout
+    assert f"python predict.py --weights {best} --source {ROOT / 'datasets' / 'digits' / 'val'}" in result.stdout
+    top1 = max(float(r["val/top1"]) for r in rows)
+    epoch = next(r["epoch"] for r in rows if float(r["val/top1"]) == top1)
+    assert f"Best val top-1 {top1:.2%} at epoch {epoch}: {best}" in result.stdout
 
 
 def test_only_rank_0_writes_one_run_dir(digits_run):
@@ -82,15 +72,40 @@ def test_checkpoints_load_weights_only_and_hold_the_evaluated_model(digits_run):
     assert not list((project / "exp" / "weights").glob("*.tmp"))
 
 
-def test_tensorboard_has_epoch_scalars_and_an_image_grid(digits_run):
+def test_tensorboard_groups_scalars_and_holds_images_and_the_recipe_as_hparams(digits_run):
     project, _ = digits_run
-    events = EventAccumulator(str(project / "exp")).Reload()
-    _, rows = read_results(project / "exp")
-    assert [e.step for e in events.Scalars("val/top1")] == list(range(1, len(rows) + 1))
-    assert set(COLUMNS[1:]) <= set(events.Tags()["scalars"])
-    assert events.Tags()["images"] == ["train/batch"]
+    run_dir = project / "exp"
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0}).Reload()
+    _, rows = read_results(run_dir)
+    steps = 23  # 1,437 images in global batches of 64
+    assert [e.step for e in events.Scalars("val/top1")] == [steps * (i + 1) for i in range(len(rows))]
+    assert [round(e.value, 6) for e in events.Scalars("val/top1")] == [float(r["val/top1"]) for r in rows]
+    assert set(events.Tags()["scalars"]) == {*COLUMNS[1:], "train/loss_step"}
+    assert all(tag.split("/")[0] in ("train", "val", "lr", "time") for tag in events.Tags()["scalars"])
+    # The loss every 10 steps of each epoch, at the global step.
+    assert [e.step for e in events.Scalars("train/loss_step")] == [e * steps + s for e in range(len(rows))
+                                                                  for s in (10, 20)]
+    assert set(events.Tags()["images"]) == {"train/batch", "val/misclassified", "val/confusion_matrix"}
+    batch = events.Images("train/batch")
+    assert len(batch) == 1 and (batch[0].width, batch[0].height) == (8 * 66, 4 * 78)  # 32 captioned 64 px tiles
+    wrong = events.Images("val/misclassified")  # each epoch that misclassified an image of rank 0's share
+    assert [e.step for e in wrong] == sorted({e.step for e in wrong}) and wrong[0].step == steps
+    assert events.Images("val/confusion_matrix")[-1].step == steps * len(rows)  # drawn at least for the last epoch
+    plugin = events.PluginTagToContent("hparams")
+    experiment = HParamsPluginData.FromString(plugin["_hparams_/experiment"]).experiment
+    assert [m.name.tag for m in experiment.metric_infos] == HPARAM_METRICS
+    hparams = HParamsPluginData.FromString(plugin["_hparams_/session_start_info"]).session_start_info.hparams
+    assert hparams["optim.lr"].number_value == 0.1 and hparams["model.name"].string_value == "convnet"
+    assert hparams["data.scale"].string_value == "[0.8, 1.0]" and hparams["project"].string_value == str(project)
     recipe_text = events.Tensors("recipe/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "batch_size: 64" in recipe_text and f"project: {project}" in recipe_text
+
+
+def test_results_png_is_drawn(digits_run):
+    project, _ = digits_run
+    with Image.open(project / "exp" / "results.png") as image:
+        image.verify()
+        assert image.format == "PNG" and image.size == (1300, 360)
 
 
 def test_single_process_on_user_folder_with_few_classes(image_folder, tmp_path):

@@ -66,6 +66,16 @@ def load_training_checkpoint(path, device="cpu"):
     return ckpt
 
 
+def load_model_checkpoint(path, device="cpu"):
+    """A checkpoint with a model to evaluate or export: its weights, class names and recipe, else a clear error."""
+    ckpt = load_checkpoint(path, device)
+    missing = [k for k in ("model", "classes", "recipe") if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise UsageError(f"{path}: not a checkpoint of train.py (missing {', '.join(missing)}); use a run's "
+                         f"weights/best.pt or weights/last.pt")
+    return ckpt
+
+
 def find_resume_checkpoint(resume, project):
     """The checkpoint --resume names: a file, a run directory (its weights/last.pt), or, for '', the newest
     weights/last.pt under project."""

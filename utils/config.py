@@ -47,6 +47,7 @@ class TrainConfig:
     precision: str = "fp32"  # fp32, bf16 (autocast: GPUs, CPUs with AMX or AVX512-BF16) or fp16 (autocast + GradScaler; CUDA)
     deterministic: bool = True  # ask torch for deterministic kernels (reproducible runs; may be slower on GPU)
     save_every_steps: int = 0  # also save weights/last.pt every this many steps within an epoch; 0: at epoch ends only
+    log_every_steps: int = 10  # TensorBoard train/loss_step: the mean loss of every this many steps, over all ranks; 0: off
 
 
 @dataclass
@@ -80,7 +81,8 @@ class Recipe:
 
 
 # What a resumed run may change: none of these changes what the run has trained so far.
-RESUME_KEYS = ("train.epochs", "train.save_every_steps", "data.workers", "device", "project", "name")
+RESUME_KEYS = ("train.epochs", "train.save_every_steps", "train.log_every_steps", "data.workers", "device", "project",
+               "name")
 
 
 class RecipeError(SharedError):
@@ -171,6 +173,14 @@ def load_resumed_recipe(saved, overrides=(), source="checkpoint"):
     return checked(resumed, f"{source} recipe (with command-line overrides)" if overrides else f"{source} recipe")
 
 
+def checkpoint_recipe(saved, source):
+    """The recipe saved in a checkpoint on the schema (keys added since take their defaults), read-only, for
+    evaluating and exporting its model."""
+    cfg = merge_layer(OmegaConf.structured(Recipe), saved, f"{source} recipe")
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
 def check_resumable(saved, resumed, source):
     """Refuse a resumed recipe that changes anything but RESUME_KEYS, naming the first such key."""
     for key in flat_keys(OmegaConf.to_container(resumed)):
@@ -231,6 +241,7 @@ def check_values(cfg, source):
             f"a multiple of the {WORLD_SIZE} processes (the global batch is split evenly between them)")
     require(0 <= cfg.train.label_smoothing < 1, "train.label_smoothing", "in [0, 1)")
     require(cfg.train.save_every_steps >= 0, "train.save_every_steps", ">= 0 (0 saves at epoch ends only)")
+    require(cfg.train.log_every_steps >= 0, "train.log_every_steps", ">= 0 (0 logs the loss per epoch only)")
     require(cfg.train.precision in ("fp32", "bf16", "fp16"), "train.precision", "one of fp32, bf16, fp16")
     require(cfg.optim.name in ("sgd", "adamw"), "optim.name", "sgd or adamw")
     require(cfg.optim.lr > 0, "optim.lr", "> 0")

@@ -77,3 +77,11 @@ def cpu_count():
         return len(os.sched_getaffinity(0))
     except AttributeError:  # macOS and Windows
         return os.cpu_count() or 1
+
+
+def format_table(header, rows):
+    """Rows of cells as aligned text columns under a header: the first column left-aligned, the others right."""
+    cells = [[str(c) for c in header], *([str(c) for c in row] for row in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+                     for row in cells)

@@ -1,33 +1,70 @@
-"""Rank 0's record of a run: results.csv, TensorBoard scalars and images, and the console summary line."""
+"""Rank 0's record of a run: results.csv, results.png, TensorBoard (scalars, image grids, the confusion matrix,
+hparams) and the console summary line."""
 
 import csv
 import os
 import textwrap
+import time
+from contextlib import contextmanager
 
+import torch
+from omegaconf import OmegaConf
 from torch.utils.tensorboard import SummaryWriter
-from torchvision.utils import make_grid
+from torch.utils.tensorboard.summary import hparams
 
-COLUMNS = ["epoch", "train/loss", "val/loss", "val/top1", "val/top5", "lr", "epoch_time", "train/img_s"]
+from utils.config import flat_keys
+from utils.plots import confusion_figure, figure_array, labelled_grid, results_figure, save_figure
+
+# results.csv's columns, also the TensorBoard tags of the epoch scalars, grouped as train/, val/, lr/ and time/.
+COLUMNS = ["epoch", "train/loss", "val/loss", "val/top1", "val/top5", "lr/pg0", "time/epoch", "time/img_s"]
+HPARAM_METRICS = ["val/top1", "val/top5", "val/loss", "train/loss"]  # shown beside the recipe in the HParams tab
+PLOT_SHARE = 0.02  # matplotlib plots may take this share of the run's time (each costs about 0.3-1 s on a CPU)
+WRONG_SHOWN = 32  # misclassified val images shown per epoch
 
 
 class RunLogger:
-    """Appends one row per epoch to results.csv and the same scalars to TensorBoard event files in run_dir.
+    """Appends one row per epoch to results.csv and the same scalars to TensorBoard event files in run_dir, with
+    image grids, the confusion matrix and results.png.
 
-    A resumed run (epochs_done given) continues the record of epochs 1..epochs_done: later rows, written before
-    the run stopped, are dropped from results.csv, and TensorBoard hides the events of later epochs (purge_step).
+    TensorBoard's x-axis is the optimizer step for every tag (for epoch metrics, the step at the epoch's end). A
+    resumed run (done = (epochs, steps) done) continues the record where its checkpoint was saved: later rows,
+    written before the run stopped, are dropped from results.csv, and TensorBoard hides later events (purge_step).
     """
 
-    def __init__(self, run_dir, recipe_yaml, epochs_done=None):
-        self.csv_path = run_dir / "results.csv"
-        if epochs_done is None:
+    def __init__(self, run_dir, cfg, classes, done=None):
+        self.run_dir, self.classes, self.csv_path = run_dir, list(classes), run_dir / "results.csv"
+        self.plots = PlotBudget(PLOT_SHARE)
+        self.last_epoch = None  # (global step, confusion matrix) of the last epoch logged
+        if done is None:
             self.tb = SummaryWriter(str(run_dir))
-            self.tb.add_text("recipe", textwrap.indent(recipe_yaml, "    "))  # indented: markdown shows it as code
+            self.tb.add_text("recipe", textwrap.indent(OmegaConf.to_yaml(cfg), "    "))  # indented: shown as code
+            self.write_hparams(cfg)
         else:
-            keep_rows(self.csv_path, epochs_done)
-            self.tb = SummaryWriter(str(run_dir), purge_step=epochs_done + 1)
+            keep_rows(self.csv_path, done[0])
+            self.tb = SummaryWriter(str(run_dir), purge_step=done[1] + 1)
 
-    def log_epoch(self, metrics):
-        """Record an epoch's metrics (a dict with every name in COLUMNS; None for a metric not computed)."""
+    def write_hparams(self, cfg):
+        """The flattened recipe in TensorBoard's HParams tab, beside the latest values of HPARAM_METRICS."""
+        recipe = OmegaConf.to_container(cfg)
+        values = {key: OmegaConf.select(cfg, key) for key in flat_keys(recipe)}
+        values = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in values.items()}
+        experiment, session_start, _ = hparams(values, dict.fromkeys(HPARAM_METRICS, 0.0))
+        for summary in (experiment, session_start):
+            self.tb.file_writer.add_summary(summary)
+
+    def log_batch(self, images, targets):
+        """A grid of (augmented uint8) training images captioned with their class names."""
+        labels = [self.classes[t] for t in targets.tolist()]
+        self.tb.add_image("train/batch", labelled_grid(images.cpu(), labels), 0)
+
+    def log_step(self, global_step, loss):
+        """The mean training loss of the last few steps, at the global step count."""
+        self.tb.add_scalar("train/loss_step", loss, global_step)
+
+    def log_epoch(self, metrics, global_step):
+        """Record an epoch that ended at global_step: metrics has every name in COLUMNS (None for a metric not
+        computed) and evaluate()'s 'confusion' and 'wrong'. The matplotlib plots are drawn only within PLOT_SHARE of
+        the run's time."""
         new = not self.csv_path.exists()
         with open(self.csv_path, "a", newline="") as f:
             writer = csv.writer(f)
@@ -36,16 +73,50 @@ class RunLogger:
             writer.writerow([format_value(metrics[c]) for c in COLUMNS])
         for name in COLUMNS[1:]:
             if metrics[name] is not None:
-                self.tb.add_scalar(name, metrics[name], metrics["epoch"])
+                self.tb.add_scalar(name, metrics[name], global_step)
+        if metrics["wrong"]:
+            images, true, predicted = zip(*metrics["wrong"][:WRONG_SHOWN])
+            labels = [f"{self.classes[t]} as {self.classes[p]}" for t, p in zip(true, predicted)]
+            self.tb.add_image("val/misclassified", labelled_grid(torch.stack(images), labels), global_step)
+        self.last_epoch = (global_step, metrics["confusion"])
+        if self.plots.due():
+            self.draw_plots()
         self.tb.flush()
 
-    def log_images(self, tag, images, nrow=8):
-        """Add a grid of images (N, C, H, W floats in [0, 1]) to TensorBoard."""
-        self.tb.add_image(tag, make_grid(images, nrow=nrow, padding=1, normalize=False), 0)
+    def draw_plots(self):
+        """results.png and the confusion matrix of the last epoch logged in TensorBoard."""
+        with self.plots.timed():
+            save_figure(results_figure(self.csv_path), self.run_dir / "results.png")
+            step, confusion = self.last_epoch
+            self.tb.add_image("val/confusion_matrix", figure_array(confusion_figure(confusion, self.classes)), step,
+                              dataformats="HWC")
+        self.last_epoch = None
 
     def close(self):
-        """Flush and close the TensorBoard writer."""
+        """Draw the plots of the last epoch if they are not yet drawn; flush and close the TensorBoard writer."""
+        if self.last_epoch is not None:
+            self.draw_plots()
         self.tb.close()
+
+
+class PlotBudget:
+    """Says when a plot is due so that plotting takes at most `share` of the time: after a plot that took t
+    seconds, the next is due t / share seconds later (the first after one second's worth)."""
+
+    def __init__(self, share):
+        self.share, self.cost, self.last = share, 1.0, time.monotonic()
+
+    def due(self):
+        """Whether a plot now keeps plotting within its share of the time."""
+        return time.monotonic() - self.last >= self.cost / self.share
+
+    @contextmanager
+    def timed(self):
+        """Time a plot, which sets when the next is due."""
+        start = time.monotonic()
+        yield
+        self.last = time.monotonic()
+        self.cost = self.last - start
 
 
 def keep_rows(csv_path, epochs):
@@ -72,5 +143,5 @@ def epoch_summary(metrics, epochs):
     """One console line per epoch."""
     top5 = "" if metrics["val/top5"] is None else f" top5 {metrics['val/top5']:.2%}"
     return (f"epoch {metrics['epoch']}/{epochs}  train/loss {metrics['train/loss']:.4f}  "
-            f"val/loss {metrics['val/loss']:.4f}  top1 {metrics['val/top1']:.2%}{top5}  lr {metrics['lr']:.3g}  "
-            f"{metrics['epoch_time']:.1f}s  {metrics['train/img_s']:.0f} img/s")
+            f"val/loss {metrics['val/loss']:.4f}  top1 {metrics['val/top1']:.2%}{top5}  lr {metrics['lr/pg0']:.3g}  "
+            f"{metrics['time/epoch']:.1f}s  {metrics['time/img_s']:.0f} img/s")

@@ -3,6 +3,7 @@
 import inspect
 import os
 import random
+import sys
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from utils.general import LOGGER, RANK, WORLD_SIZE, SharedError, UsageError, cpu_count, error_line
@@ -24,6 +26,16 @@ RUN_ID = os.getenv("TORCHELASTIC_RUN_ID")  # the torchrun job (--rdzv-id; with -
 DIST_TIMEOUT = timedelta(minutes=10)
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def exit_on_error(script, error):
+    """Report a UsageError as one line and exit with code 2: a SharedError (the same on every rank) once, by rank
+    0, another by the rank that met it, named. Recorded for torchrun, whose summary then names the cause."""
+    if RANK == 0 or not isinstance(error, SharedError):
+        prefix = "" if isinstance(error, SharedError) or WORLD_SIZE == 1 else f"[rank {RANK}] "
+        print(f"{prefix}{script}: error: {error_line(error)}", file=sys.stderr)
+        get_error_handler().record_exception(error)
+    sys.exit(2)
 
 
 def select_device(device="auto", local_rank=LOCAL_RANK):

@@ -1,0 +1,152 @@
+"""Classify images with a checkpoint: the top-k classes and their probabilities for each image, printed and saved as
+CSV and JSON in runs/predict/expN. An unreadable image is named and skipped.
+
+Usage:
+    python predict.py --weights runs/train/exp/weights/best.pt --source photo.jpg
+    python predict.py --weights runs/train/exp/weights/best.pt --source photos/ --topk 3     # a folder, recursively
+    python predict.py --weights runs/train/exp/weights/best.pt --source 'photos/**/*.jpg'     # a glob
+"""
+
+import argparse
+import csv
+import glob
+import json
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torchvision.datasets.folder import IMG_EXTENSIONS
+from tqdm import tqdm
+
+from data.transforms import normalizer, val_transforms
+from data.verify import UNREADABLE, decode, unreadable_reason
+from models import model_from_checkpoint
+from utils.checkpoint import load_model_checkpoint
+from utils.config import checkpoint_recipe
+from utils.general import LOGGER, UsageError, colorstr, cpu_count, format_table, increment_path
+from utils.torch_utils import autocast, autocast_dtype, exit_on_error, select_device, set_device
+
+MAX_ROWS_SHOWN = 50  # more predictions are saved but not printed
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Classify images with a checkpoint of train.py.")
+    parser.add_argument("--weights", required=True, help="checkpoint of train.py (e.g. runs/train/exp/weights/best.pt)")
+    parser.add_argument("--source", required=True, help="an image, a folder (searched recursively) or a glob pattern")
+    parser.add_argument("--topk", type=int, default=5, help="classes reported per image")
+    parser.add_argument("--batch-size", type=int, default=32, help="images per forward pass")
+    parser.add_argument("--workers", type=int, default=min(4, cpu_count() - 1), help="image-decoding processes")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="autocast (default: the recipe's)")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--project", default="runs/predict", help="results go to project/name")
+    parser.add_argument("--name", default="exp", help="run name, incremented (exp, exp2, ...) when taken")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    """Predict; bad input exits with code 2 and one line."""
+    args = parse_args(argv)
+    try:
+        return predict(args)
+    except UsageError as e:
+        exit_on_error("predict.py", e)
+
+
+class ImageFiles(Dataset):
+    """Images by path, prepared as in validation: (uint8 image or None, index, None or why it is unreadable)."""
+
+    def __init__(self, paths, transform):
+        self.paths, self.transform = paths, transform
+
+    def __getitem__(self, index):
+        try:
+            return self.transform(decode(self.paths[index])), index, None
+        except UNREADABLE as e:
+            return None, index, unreadable_reason(e)
+
+    def __len__(self):
+        return len(self.paths)
+
+
+def collate(samples):
+    """(stacked readable images, their indices, [(index, reason) of the unreadable ones])."""
+    readable = [(image, i) for image, i, reason in samples if reason is None]
+    images = torch.stack([image for image, _ in readable]) if readable else None
+    return images, [i for _, i in readable], [(i, reason) for _, i, reason in samples if reason is not None]
+
+
+def list_images(source):
+    """The image files source names: one file, a folder's image files (recursively) or a glob's matches; sorted."""
+    path = Path(source)
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = (p for p in path.rglob("*") if p.suffix.lower() in IMG_EXTENSIONS and p.is_file())
+    else:
+        files = (Path(p) for p in glob.glob(source, recursive=True) if Path(p).is_file())
+    paths = sorted(files)
+    if not paths:
+        raise UsageError(f"--source {source}: no images found; give an image, a folder of images ("
+                         f"{', '.join(IMG_EXTENSIONS)}) or a glob such as 'photos/*.jpg'")
+    return paths
+
+
+def predict(args):
+    """Classify every image of args.source; rank 0 of one process prints and saves. Returns (rows, skipped)."""
+    if args.topk < 1 or args.batch_size < 1 or args.workers < 0:
+        raise UsageError("--topk and --batch-size must be >= 1 and --workers >= 0")
+    ckpt = load_model_checkpoint(args.weights)
+    cfg, classes = checkpoint_recipe(ckpt["recipe"], args.weights), ckpt["classes"]
+    device = select_device(args.device)
+    set_device(device)
+    dtype = autocast_dtype(args.precision or cfg.train.precision, device)
+    paths = list_images(args.source)
+    loader = DataLoader(ImageFiles(paths, val_transforms(cfg.data)), batch_size=args.batch_size,
+                        num_workers=min(args.workers, len(paths) // args.batch_size), collate_fn=collate,
+                        pin_memory=device.type == "cuda")
+    model, normalize, k = model_from_checkpoint(ckpt, cfg, args.weights).to(device), normalizer(cfg.data, device), \
+        min(args.topk, len(classes))
+    rows, skipped = [], []
+    with torch.no_grad():
+        for images, indices, unreadable in tqdm(loader, desc="predict", disable=None if len(loader) > 1 else True,
+                                                leave=False):
+            for i, reason in unreadable:
+                LOGGER.warning(f"skipped {paths[i]}: unreadable image ({reason})")
+                skipped.append({"file": str(paths[i]), "reason": reason})
+            if images is None:
+                continue
+            with autocast(device, dtype):
+                logits = model(normalize(images.to(device, non_blocking=True)))
+            top = logits.float().softmax(dim=1).topk(k, dim=1)
+            for i, probs, labels in zip(indices, top.values.tolist(), top.indices.tolist()):
+                rows.append({"file": str(paths[i]), "top": [{"class": classes[c], "prob": p}
+                                                            for c, p in zip(labels, probs)]})
+    save_dir = increment_path(Path(args.project) / args.name, mkdir=True)
+    LOGGER.info(report(rows, skipped, k))
+    save_results(save_dir, rows, skipped, k, {"weights": str(args.weights), "source": str(args.source)})
+    LOGGER.info(f"Results saved to {colorstr('bold', str(save_dir))}: predictions.csv, predictions.json")
+    return rows, skipped
+
+
+def report(rows, skipped, k):
+    """The console table: each image's top-k classes with their probabilities (the first MAX_ROWS_SHOWN)."""
+    table = format_table(["file", *(f"top-{j + 1}" for j in range(k))],
+                         [[r["file"], *(f"{t['class']} {t['prob']:.3f}" for t in r["top"])]
+                          for r in rows[:MAX_ROWS_SHOWN]])
+    more = f"\n... and {len(rows) - MAX_ROWS_SHOWN} more" if len(rows) > MAX_ROWS_SHOWN else ""
+    return f"{table}{more}\n{len(rows)} image(s) classified, {len(skipped)} unreadable skipped"
+
+
+def save_results(save_dir, rows, skipped, k, facts):
+    """predictions.csv (file, then class and probability for each of the top k) and predictions.json."""
+    with open(save_dir / "predictions.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["file", *(f"{name}{j + 1}" for j in range(k) for name in ("class", "prob"))])
+        for r in rows:
+            writer.writerow([r["file"], *(v for t in r["top"] for v in (t["class"], f"{t['prob']:.6g}"))])
+    (save_dir / "predictions.json").write_text(json.dumps({**facts, "predictions": rows, "skipped": skipped},
+                                                          indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

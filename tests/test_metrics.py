@@ -1,0 +1,46 @@
+"""evaluate(): the loss, top-1/top-5, confusion matrix, per-class counts and misclassified images of known logits."""
+
+import math
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from utils.metrics import evaluate, per_class
+
+
+class Lookup(torch.nn.Module):
+    """A 'model' whose logits for an image are a row of a table, picked by the image's first pixel."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.register_buffer("logits", logits)
+
+    def forward(self, images):
+        return self.logits[images[:, 0, 0, 0].long()]
+
+
+def test_confusion_matrix_per_class_counts_and_misclassified_images_of_known_logits():
+    # Six classes; each row ranks the classes by its logits, the first is predicted.
+    ranks = [[0, 1, 2, 3, 4, 5], [1, 0, 2, 3, 4, 5], [2, 1, 0, 3, 4, 5], [5, 4, 3, 2, 1, 0], [0, 2, 1, 3, 4, 5],
+             [3, 4, 5, 2, 1, 0], [0, 1, 2, 3, 4, 5]]
+    targets = torch.tensor([0, 0, 1, 0, 2, 3, 5])  # right, then wrong but for the last but one
+    logits = torch.zeros(len(ranks), 6)
+    for i, order in enumerate(ranks):
+        logits[i, order] = torch.arange(6, 0, -1, dtype=torch.float)
+    images = torch.arange(len(ranks), dtype=torch.uint8).view(-1, 1, 1, 1).expand(-1, 3, 2, 2).contiguous()
+    loader = DataLoader(TensorDataset(images, targets), batch_size=3)  # batches of 3, 3, 1
+    metrics = evaluate(Lookup(logits), loader, lambda x: x.float(), 6, torch.device("cpu"), keep_wrong=3)
+
+    expected = torch.zeros(6, 6, dtype=torch.long)
+    for order, target in zip(ranks, targets.tolist()):
+        expected[target, order[0]] += 1
+    assert torch.equal(metrics["confusion"], expected)
+    assert metrics["val/top1"] == 2 / 7 and metrics["val/samples"] == 7
+    # top-5 hits: all but the two samples whose class is ranked 6th (the fourth and the last).
+    assert metrics["top5_hits"].tolist() == [2, 1, 1, 1, 0, 0] and metrics["val/top5"] == 5 / 7
+    loss = torch.nn.functional.cross_entropy(logits, targets).item()
+    assert math.isclose(metrics["val/loss"], loss, rel_tol=1e-6)  # float32 logits
+    assert [(int(image[0, 0, 0]), t, p) for image, t, p in metrics["wrong"]] == [(1, 0, 1), (2, 1, 2), (3, 0, 5)]
+    rows = per_class(metrics["confusion"], metrics["top5_hits"])
+    assert rows[0] == (3, 1 / 3, 1 / 3, 2 / 3)  # predicted 0 three times, once rightly; one of three images right
+    assert rows[4] == (0, 0.0, None, None)  # no images, never predicted

@@ -1,0 +1,179 @@
+"""After training: val.py reproduces what training measured (at one and two processes), predict.py agrees with it
+and skips unreadable images by name, export.py writes TorchScript and ONNX models that give PyTorch's outputs."""
+
+import csv
+import importlib.util
+import json
+import shutil
+
+import numpy as np
+import onnxruntime
+import pytest
+import torch
+from PIL import Image
+
+import export
+import predict
+import val
+from conftest import ROOT, read_results, run_torchrun
+from data.datasets import build_datasets, dataset_root
+from data.transforms import normalizer, val_transforms
+from models import model_from_checkpoint
+from utils.checkpoint import load_model_checkpoint
+from utils.config import checkpoint_recipe
+
+VAL_DIR = ROOT / "datasets" / "digits" / "val"
+
+
+@pytest.fixture(scope="module")
+def best(digits_run):
+    """best.pt of the README's training run, and the top-1 results.csv recorded for its epoch."""
+    project, _ = digits_run
+    _, rows = read_results(project / "exp")
+    top1 = max(float(r["val/top1"]) for r in rows)
+    return project / "exp" / "weights" / "best.pt", top1
+
+
+def test_val_reproduces_the_top1_training_recorded_and_saves_its_tables(best, tmp_path, log):
+    weights, recorded = best
+    metrics = val.main(["--weights", str(weights), "--project", str(tmp_path)])
+    assert float(f"{metrics['val/top1']:.6g}") == recorded
+    out = log.text
+    assert f"top-1 {recorded:.2%}" in out and "(360 images)" in out and "class  images  precision  recall  top-5" in out
+    summary = json.loads((tmp_path / "exp" / "metrics.json").read_text())
+    assert summary["images"] == 360 and summary["top1"] == metrics["val/top1"] and summary["processes"] == 1
+    with open(tmp_path / "exp" / "confusion_matrix.csv") as f:
+        header, *rows = list(csv.reader(f))
+    counts = np.array([[int(c) for c in row[1:]] for row in rows])
+    assert header[1:] == [str(d) for d in range(10)] and counts.sum() == 360
+    assert counts.trace() == round(recorded * 360)
+    with open(tmp_path / "exp" / "per_class.csv") as f:
+        per_class = list(csv.DictReader(f))
+    assert [int(r["images"]) for r in per_class] == counts.sum(1).tolist()
+    assert [float(r["recall"]) for r in per_class] == pytest.approx((counts.diagonal() / counts.sum(1)).tolist())
+    assert [float(r["precision"]) for r in per_class] == pytest.approx((counts.diagonal() / counts.sum(0)).tolist())
+    with Image.open(tmp_path / "exp" / "confusion_matrix.png") as image:
+        image.verify()
+        assert image.format == "PNG"
+
+
+def test_val_under_torchrun_counts_every_image_once(best, tmp_path):
+    weights, recorded = best
+    result = run_torchrun("val.py", "--weights", weights, "--project", tmp_path, "--batch-size", "50")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [p.name for p in tmp_path.iterdir()] == ["exp"] and result.stdout.count("Results saved to") == 1
+    summary = json.loads((tmp_path / "exp" / "metrics.json").read_text())
+    assert summary["images"] == 360 and summary["processes"] == 2
+    assert float(f"{summary['top1']:.6g}") == recorded
+
+
+def test_val_names_a_class_the_checkpoint_does_not_know(best, image_folder, tmp_path, capfd):
+    weights, _ = best
+    root = image_folder({"val": {"3": 2, "cat": 1}}, size=8)
+    with pytest.raises(SystemExit) as exit_:
+        val.main(["--weights", str(weights), "--data", str(root), "--project", str(tmp_path / "v")])
+    assert exit_.value.code == 2
+    assert f"{root / 'val'}: classes ['cat'] are not among the 10 classes {weights} was trained on" in \
+        capfd.readouterr().err
+    assert not (tmp_path / "v").exists()
+
+
+def test_predict_agrees_with_val_on_the_val_images(best, tmp_path):
+    weights, recorded = best
+    rows, skipped = predict.main(["--weights", str(weights), "--source", str(VAL_DIR), "--project", str(tmp_path)])
+    assert len(rows) == 360 and not skipped
+    correct = sum(r["top"][0]["class"] == r["file"].split("/")[-2] for r in rows)
+    assert correct == round(recorded * 360)
+    assert all(len(r["top"]) == 5 and r["top"][0]["prob"] >= r["top"][1]["prob"] for r in rows)
+    with open(tmp_path / "exp" / "predictions.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [r["file"] for r in table] == [r["file"] for r in rows] and table[0]["class1"] == rows[0]["top"][0]["class"]
+    assert len(json.loads((tmp_path / "exp" / "predictions.json").read_text())["predictions"]) == 360
+
+
+def test_predict_names_and_skips_an_unreadable_image(best, tmp_path, log):
+    weights, _ = best
+    source = tmp_path / "photos"
+    source.mkdir()
+    for path in sorted((VAL_DIR / "3").iterdir())[:3]:
+        shutil.copy(path, source / path.name)
+    (source / "broken.png").write_bytes(b"not a png")
+    rows, skipped = predict.main(["--weights", str(weights), "--source", str(source / "*.png"), "--topk", "2",
+                                  "--project", str(tmp_path / "p")])
+    assert [r["file"] for r in rows] == [str(p) for p in sorted(source.glob("0*.png"))]
+    assert skipped == [{"file": str(source / "broken.png"), "reason": "not an image format PIL can identify"}]
+    out = log.text
+    assert f"skipped {source / 'broken.png'}: unreadable image" in out and "3 image(s) classified, 1 unreadable" in out
+    assert json.loads((tmp_path / "p" / "exp" / "predictions.json").read_text())["skipped"] == skipped
+
+
+def test_predict_without_images_is_a_clear_error(best, tmp_path, capfd):
+    weights, _ = best
+    with pytest.raises(SystemExit) as exit_:
+        predict.main(["--weights", str(weights), "--source", str(tmp_path / "*.jpg"), "--project", str(tmp_path)])
+    assert exit_.value.code == 2 and "no images found" in capfd.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def exported(best, tmp_path_factory):
+    """best.pt exported to TorchScript and ONNX with a dynamic batch, in a folder of its own."""
+    weights = tmp_path_factory.mktemp("export") / "best.pt"
+    shutil.copy(best[0], weights)
+    return weights, export.main(["--weights", str(weights), "--format", "torchscript", "onnx", "--dynamic-batch"])
+
+
+def real_batch(weights, n):
+    """n val images prepared as the checkpoint's preprocessing says, and the PyTorch model's logits for them."""
+    ckpt = load_model_checkpoint(weights)
+    cfg = checkpoint_recipe(ckpt["recipe"], weights)
+    _, val_set = build_datasets(dataset_root("digits"), None, val_transforms(cfg.data))
+    images = normalizer(cfg.data, torch.device("cpu"))(torch.stack([val_set[i * 7][0] for i in range(n)]))
+    with torch.no_grad():
+        return images, model_from_checkpoint(ckpt, cfg, weights)(images)
+
+
+def test_exported_torchscript_gives_pytorchs_outputs_and_carries_its_preprocessing(exported):
+    weights, results = exported
+    path, difference = results["torchscript"]
+    assert path == weights.with_suffix(".torchscript") and difference <= 1e-4
+    files = {"metadata.json": ""}
+    model = torch.jit.load(str(path), _extra_files=files)
+    metadata = json.loads(files["metadata.json"])
+    assert metadata["classes"] == [str(d) for d in range(10)] and metadata["img_size"] == 8
+    assert metadata["mean"] == [0.5, 0.5, 0.5] and metadata["resize"] == 8
+    images, expected = real_batch(weights, 5)
+    torch.testing.assert_close(model(images), expected, atol=1e-4, rtol=1e-3)
+
+
+def test_exported_onnx_gives_pytorchs_outputs_at_any_batch_and_carries_its_preprocessing(exported):
+    weights, results = exported
+    path, difference = results["onnx"]
+    assert path == weights.with_suffix(".onnx") and difference <= 1e-4
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    metadata = {k: json.loads(v) for k, v in session.get_modelmeta().custom_metadata_map.items()}
+    assert metadata["classes"] == [str(d) for d in range(10)] and metadata["std"] == [0.5, 0.5, 0.5]
+    for n in (1, 7):
+        images, expected = real_batch(weights, n)
+        logits = torch.from_numpy(session.run(None, {"images": images.numpy()})[0])
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-3)
+
+
+def test_export_refuses_outputs_that_do_not_match(best):
+    weights, _ = best
+    ckpt = load_model_checkpoint(weights)
+    model = model_from_checkpoint(ckpt, checkpoint_recipe(ckpt["recipe"], weights), weights)
+    x = torch.randn(2, 3, 8, 8)
+    assert export.check_outputs(model, model, [x], "same") == 0.0
+    with pytest.raises(export.ExportMismatch, match=r"differ from PyTorch's by up to 0.01 .* on a batch of 2"):
+        export.check_outputs(model, lambda x: model(x) + 0.01, [x], "shifted")
+
+
+def test_export_onnx_without_its_packages_says_what_to_install(best, monkeypatch, capfd):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "onnxruntime" else
+                        real_find_spec(name))
+    with pytest.raises(SystemExit) as exit_:
+        export.main(["--weights", str(best[0]), "--format", "onnx"])
+    assert exit_.value.code == 2
+    assert "--format onnx needs onnxruntime (not installed): pip install -r requirements-export.txt" in \
+        capfd.readouterr().err

@@ -1,0 +1,128 @@
+"""Validate a checkpoint: top-1, top-5, loss, per-class precision, recall and top-5 accuracy, and the confusion
+matrix, as one process or many under torchrun (every image is counted exactly once).
+
+The checkpoint carries its class names and its recipe's preprocessing, so no recipe is needed.
+
+Usage:
+    python val.py --weights runs/train/exp/weights/best.pt
+    torchrun --nproc_per_node=2 val.py --weights runs/train/exp/weights/best.pt --split train
+"""
+
+import argparse
+import csv
+import json
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from data.datasets import build_dataloader, dataset_root, eval_dataset
+from data.transforms import normalizer, val_transforms
+from models import model_from_checkpoint
+from utils.checkpoint import load_model_checkpoint
+from utils.config import checkpoint_recipe
+from utils.general import LOGGER, UsageError, colorstr, format_table, increment_path
+from utils.metrics import evaluate, per_class
+from utils.plots import confusion_figure, save_figure
+from utils.torch_utils import (RANK, WORLD_SIZE, autocast_dtype, cleanup_distributed, exit_on_error, on_rank0,
+                               select_device, set_device, set_threads, setup_distributed)
+
+MAX_CLASSES_SHOWN = 50  # more classes are saved to per_class.csv but not printed
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Validate a checkpoint of train.py on a split of its dataset.")
+    parser.add_argument("--weights", required=True, help="checkpoint of train.py (e.g. runs/train/exp/weights/best.pt)")
+    parser.add_argument("--data", help="dataset: an embedded name or an ImageFolder root (default: the checkpoint's)")
+    parser.add_argument("--split", default="val", choices=["val", "test", "train"],
+                        help="split folder (val falls back to test, as in training)")
+    parser.add_argument("--batch-size", type=int, help="global batch over all processes (default: the recipe's)")
+    parser.add_argument("--workers", type=int, help="DataLoader workers per process (default: the recipe's)")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="autocast (default: the recipe's)")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--project", default="runs/val", help="results go to project/name")
+    parser.add_argument("--name", default="exp", help="run name, incremented (exp, exp2, ...) when taken")
+    return parser.parse_args(argv)
+
+
+@record  # under torchrun, an unexpected error's traceback becomes the reported root cause of the failure
+def main(argv=None):
+    """Validate; bad input exits with code 2 and one line."""
+    args = parse_args(argv)
+    try:
+        setup_distributed()
+        try:
+            return validate(args)
+        finally:
+            cleanup_distributed()
+    except UsageError as e:
+        exit_on_error("val.py", e)
+
+
+def validate(args):
+    """Evaluate the checkpoint on the split; rank 0 prints and saves the results. Returns the metrics."""
+    ckpt = on_rank0(load_model_checkpoint, args.weights)  # read once, shared: other machines need no copy
+    cfg, classes = checkpoint_recipe(ckpt["recipe"], args.weights), ckpt["classes"]
+    device = select_device(args.device)
+    set_device(device)
+    dtype = autocast_dtype(args.precision or cfg.train.precision, device)
+    _, workers = set_threads(cfg.data.workers if args.workers is None else args.workers)
+    root = dataset_root(args.data or cfg.data.name)
+    dataset = eval_dataset(root, args.split, val_transforms(cfg.data), classes, args.weights)
+    batch_size = args.batch_size or cfg.train.batch_size
+    if batch_size < 1:
+        raise UsageError(f"--batch-size {batch_size}: must be >= 1")
+    batch_size = max(batch_size // WORLD_SIZE, 1) * WORLD_SIZE  # split evenly between the processes
+    loader = build_dataloader(dataset, batch_size, False, cfg.seed, workers, device)
+    model = model_from_checkpoint(ckpt, cfg, args.weights).to(device)
+    LOGGER.info(f"{colorstr('val:')} {args.weights} on {dataset.root}: {len(dataset)} images, {len(classes)} "
+                f"classes; {WORLD_SIZE} process(es) on {device.type}, batch {batch_size}, "
+                f"{args.precision or cfg.train.precision}")
+    metrics = evaluate(model, loader, normalizer(cfg.data, device), len(classes), device, dtype)
+    if RANK == 0:
+        save_dir = increment_path(Path(args.project) / args.name, mkdir=True)
+        LOGGER.info(report(metrics, classes))
+        save_results(save_dir, metrics, classes, {"weights": str(args.weights), "data": str(dataset.root),
+                                                  "processes": WORLD_SIZE, "batch_size": batch_size,
+                                                  "precision": args.precision or cfg.train.precision})
+        LOGGER.info(f"Results saved to {colorstr('bold', str(save_dir))}: metrics.json, per_class.csv, "
+                    f"confusion_matrix.csv, confusion_matrix.png")
+    return metrics
+
+
+def report(metrics, classes):
+    """The console report: overall metrics, then one row per class."""
+    top5 = "" if metrics["val/top5"] is None else f"  top-5 {metrics['val/top5']:.2%}"
+    rows = [(name, n, f"{precision:.3f}", fmt(recall), fmt(top5_acc))
+            for name, (n, precision, recall, top5_acc) in zip(classes, per_class(metrics["confusion"],
+                                                                                 metrics["top5_hits"]))]
+    overall = (f"top-1 {metrics['val/top1']:.2%}{top5}  loss {metrics['val/loss']:.4f}  "
+               f"({metrics['val/samples']} images)")
+    if len(classes) > MAX_CLASSES_SHOWN:
+        return f"{overall}\n(per-class results of the {len(classes)} classes in per_class.csv)"
+    return f"{overall}\n" + format_table(["class", "images", "precision", "recall", "top-5"], rows)
+
+
+def fmt(value):
+    """A share to three decimals, '-' for None."""
+    return "-" if value is None else f"{value:.3f}"
+
+
+def save_results(save_dir, metrics, classes, facts):
+    """metrics.json, per_class.csv, and the confusion matrix as CSV (counts) and PNG (rows normalised)."""
+    summary = {"top1": metrics["val/top1"], "top5": metrics["val/top5"], "loss": metrics["val/loss"],
+               "images": metrics["val/samples"], **facts}
+    (save_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
+    with open(save_dir / "per_class.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["class", "images", "precision", "recall", "top5"])
+        for name, row in zip(classes, per_class(metrics["confusion"], metrics["top5_hits"])):
+            writer.writerow([name, *("" if v is None else f"{v:.6g}" for v in row)])
+    with open(save_dir / "confusion_matrix.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["true \\ predicted", *classes])
+        writer.writerows([name, *row] for name, row in zip(classes, metrics["confusion"].tolist()))
+    save_figure(confusion_figure(metrics["confusion"], classes), save_dir / "confusion_matrix.png")
+
+
+if __name__ == "__main__":
+    main()
