@@ -23,7 +23,7 @@ from data.transforms import normalizer, train_transforms, val_transforms
 from models import build_model, check_input_size
 from utils.checkpoint import find_resume_checkpoint, load_training_checkpoint, run_dir_of, save_checkpoint
 from utils.config import Recipe, check_resumable, load_recipe, load_resumed_recipe, parse_overrides, recipe_to_yaml
-from utils.general import LOGGER, SharedError, UsageError, colorstr, increment_path
+from utils.general import LOGGER, SharedError, UsageError, colorstr, increment_path, short_path
 from utils.loggers import WRONG_SHOWN, RunLogger, epoch_summary
 from utils.metrics import evaluate
 from utils.optim import build_optimizer, build_scheduler
@@ -217,7 +217,7 @@ def next_steps(run_dir, state, epochs, seconds, val_folder):
     return (f"\n{epochs} epochs in {seconds:.1f}s. Results saved to {colorstr('bold', str(run_dir))} (results.csv, "
             f"results.png, TensorBoard events, weights/)\nBest val top-1 {state.best_top1:.2%} at epoch "
             f"{state.best_epoch}: {best}\nNext:\n  tensorboard --logdir {run_dir.parent}\n"
-            f"  python val.py --weights {best}\n  python predict.py --weights {best} --source {val_folder}\n"
+            f"  python val.py --weights {best}\n  python predict.py --weights {best} --source {short_path(val_folder)}\n"
             f"  python export.py --weights {best} --format onnx")
 
 

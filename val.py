@@ -15,12 +15,12 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from data.datasets import build_dataloader, dataset_root, eval_dataset
+from data.datasets import build_dataloader, dataset_root, eval_dataset, skip_unreadable, skipped_message
 from data.transforms import normalizer, val_transforms
 from models import model_from_checkpoint
 from utils.checkpoint import load_model_checkpoint
 from utils.config import checkpoint_recipe
-from utils.general import LOGGER, UsageError, colorstr, format_table, increment_path
+from utils.general import LOGGER, UsageError, colorstr, format_table, increment_path, short_path
 from utils.metrics import evaluate, per_class
 from utils.plots import confusion_figure, save_figure
 from utils.torch_utils import (RANK, WORLD_SIZE, autocast_dtype, cleanup_distributed, exit_on_error, on_rank0,
@@ -68,13 +68,17 @@ def validate(args):
     _, workers = set_threads(cfg.data.workers if args.workers is None else args.workers)
     root = dataset_root(args.data or cfg.data.name)
     dataset = eval_dataset(root, args.split, val_transforms(cfg.data), classes, args.weights)
+    if cfg.data.skip_corrupt:  # as training did: the top-1 it recorded left these images out
+        skipped = skip_unreadable(dataset)
+        if skipped and RANK == 0:
+            LOGGER.warning(skipped_message(skipped))
     batch_size = args.batch_size or cfg.train.batch_size
     if batch_size < 1:
         raise UsageError(f"--batch-size {batch_size}: must be >= 1")
     batch_size = max(batch_size // WORLD_SIZE, 1) * WORLD_SIZE  # split evenly between the processes
     loader = build_dataloader(dataset, batch_size, False, cfg.seed, workers, device)
     model = model_from_checkpoint(ckpt, cfg, args.weights).to(device)
-    LOGGER.info(f"{colorstr('val:')} {args.weights} on {dataset.root}: {len(dataset)} images, {len(classes)} "
+    LOGGER.info(f"{colorstr('val:')} {args.weights} on {short_path(dataset.root)}: {len(dataset)} images, {len(classes)} "
                 f"classes; {WORLD_SIZE} process(es) on {device.type}, batch {batch_size}, "
                 f"{args.precision or cfg.train.precision}")
     metrics = evaluate(model, loader, normalizer(cfg.data, device), len(classes), device, dtype)

@@ -56,7 +56,7 @@ def run_case(n_train, n_val, batch, epochs, device):
             train_one_epoch(state, train_loader, normalize, criterion, None, cfg, epoch, vote, None)
             keep_ranks_in_step(state, train_loader, epoch)
             state.step = 0
-    metrics = evaluate(model, val_loader, normalize, 3, device)
+    metrics = scalars(evaluate(model, val_loader, normalize, 3, device))
     momentum = [optimizer.state[p]["momentum_buffer"].flatten() for p in model.parameters()]
     report = {"weights": torch.cat([t.flatten() for t in model.state_dict().values()]).double().tolist(),
               "momentum": torch.cat(momentum).tolist(), "lr": optimizer.param_groups[0]["lr"],
@@ -65,10 +65,16 @@ def run_case(n_train, n_val, batch, epochs, device):
               "metrics": metrics}
     # Reference: every rank evaluates the whole val set without the sampler (summed over ranks, the means are
     # unchanged; the count is WORLD_SIZE times the set).
-    reference = evaluate(de_parallel(model), DataLoader(val_set, batch_size=5), normalize, 3, device)
+    reference = scalars(evaluate(de_parallel(model), DataLoader(val_set, batch_size=5), normalize, 3, device))
     reports = [None] * WORLD_SIZE
     dist.all_gather_object(reports, report)
     return {"ranks": reports, "reference": reference}
+
+
+def scalars(metrics):
+    """evaluate()'s metrics as JSON values: the confusion matrix and per-class hits as lists, no images."""
+    return {**{k: v for k, v in metrics.items() if k != "wrong"}, "confusion": metrics["confusion"].tolist(),
+            "top5_hits": metrics["top5_hits"].tolist()}
 
 
 def main(out, n_val, epochs):

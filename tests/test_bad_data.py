@@ -9,6 +9,7 @@ import re
 import pytest
 
 import data.verify
+import val
 from conftest import run_python, run_torchrun
 from data.datasets import DatasetError, ImageError, build_datasets, write_digits
 from utils.general import cpu_count
@@ -202,3 +203,7 @@ def test_train_py_skip_corrupt_trains_past_an_unreadable_image(image_folder, tmp
             f"  {bad}: not an image format PIL can identify") in result.stdout
     assert "7 train / 4 val images" in result.stdout
     assert (tmp_path / "runs" / "exp" / "weights" / "last.pt").is_file()
+    # val.py follows the checkpoint's recipe: it skips the same image and counts the 4 readable ones, as training did.
+    metrics = val.main(["--weights", str(tmp_path / "runs" / "exp" / "weights" / "best.pt"),
+                        "--project", str(tmp_path / "val")])
+    assert metrics["val/samples"] == 4

@@ -32,3 +32,6 @@ def test_uneven_shares_keep_ranks_identical_and_validation_exact(uneven_report, 
         assert metrics["val/samples"] == 7  # each val sample counted exactly once, none padded
         assert abs(metrics["val/top1"] - uneven_report[case]["reference"]["val/top1"]) < 1e-12
         assert abs(metrics["val/loss"] - uneven_report[case]["reference"]["val/loss"]) < 1e-6
+        # The reference's counts are those of both ranks evaluating the whole set: twice the true ones.
+        assert [[2 * n for n in row] for row in metrics["confusion"]] == uneven_report[case]["reference"]["confusion"]
+        assert [2 * n for n in metrics["top5_hits"]] == uneven_report[case]["reference"]["top5_hits"]

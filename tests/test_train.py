@@ -39,7 +39,7 @@ def test_torchrun_two_processes_reach_99_percent_on_digits(digits_run):
     best = project / "exp" / "weights" / "best.pt"
     assert "Results saved to" in result.stdout and f"tensorboard --logdir {project}" in result.stdout
     assert f"python val.py --weights {best}" in result.stdout
-    assert f"python predict.py --weights {best} --source {ROOT / 'datasets' / 'digits' / 'val'}" in result.stdout
+    assert f"python predict.py --weights {best} --source datasets/digits/val" in result.stdout
     top1 = max(float(r["val/top1"]) for r in rows)
     epoch = next(r["epoch"] for r in rows if float(r["val/top1"]) == top1)
     assert f"Best val top-1 {top1:.2%} at epoch {epoch}: {best}" in result.stdout

@@ -43,6 +43,15 @@ def error_line(error):
     return text
 
 
+def short_path(path):
+    """path relative to the current directory when it lies inside it (as a user would type it), else as given."""
+    path = Path(path)
+    try:
+        return path.resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        return path
+
+
 def colorstr(*args):
     """Colour a string for the terminal: colorstr('blue', 'bold', 'text'); plain when stdout is not a TTY."""
     *styles, text = args if len(args) > 1 else ("blue", "bold", args[0])
