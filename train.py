@@ -217,7 +217,8 @@ def next_steps(run_dir, state, epochs, seconds, val_folder):
     return (f"\n{epochs} epochs in {seconds:.1f}s. Results saved to {colorstr('bold', str(run_dir))} (results.csv, "
             f"results.png, TensorBoard events, weights/)\nBest val top-1 {state.best_top1:.2%} at epoch "
             f"{state.best_epoch}: {best}\nNext:\n  tensorboard --logdir {run_dir.parent}\n"
-            f"  python val.py --weights {best}\n  python predict.py --weights {best} --source {short_path(val_folder)}\n"
+            f"  python val.py --weights {best}\n"
+            f"  python predict.py --weights {best} --source {short_path(val_folder)}\n"
             f"  python export.py --weights {best} --format onnx")
 
 
