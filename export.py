@@ -13,6 +13,7 @@ ONNX needs the optional packages of requirements-export.txt (onnx, onnxscript, o
 import argparse
 import inspect
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -68,15 +69,23 @@ def export(args):
     metadata = {"classes": list(classes), **preprocessing(cfg.data), "model": cfg.model.name,
                 "output": f"logits (N, {len(classes)}); softmax gives class probabilities", "weights": str(weights)}
     size = cfg.data.img_size
-    example = torch.randn(args.batch_size, 3, size, size, generator=torch.Generator().manual_seed(0))
+    # A dynamic batch is traced on a batch of 2 or more: torch.export specialises a batch of 1 to that size.
+    example = torch.randn(max(args.batch_size, 2 if args.dynamic_batch else 1), 3, size, size,
+                          generator=torch.Generator().manual_seed(0))
     # Checked on the export's batch size and, for a dynamic batch, on another.
-    checks = [example] + ([torch.randn(args.batch_size + 2, 3, size, size)] if args.dynamic_batch else [])
+    checks = [example] + ([torch.randn(1, 3, size, size), torch.randn(len(example) + 3, 3, size, size)]
+                          if args.dynamic_batch else [])
     results = {}
     for fmt in args.format:
         path = weights.with_suffix(SUFFIXES[fmt])
-        run = (export_torchscript if fmt == "torchscript" else export_onnx)(model, example, metadata, path,
-                                                                            args.dynamic_batch)
-        difference = check_outputs(model, run, checks, f"{fmt} ({path})")
+        tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")  # in place only once checked
+        try:
+            run = (export_torchscript if fmt == "torchscript" else export_onnx)(model, example, metadata, tmp,
+                                                                                args.dynamic_batch)
+            difference = check_outputs(model, run, checks, f"{fmt} ({path})")
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
         LOGGER.info(f"{colorstr(fmt + ':')} {path} ({path.stat().st_size / 1e6:.1f} MB); outputs match PyTorch's "
                     f"within {ATOL:g} + {RTOL:g} x |output| (largest difference {difference:.1e} on batches of "
                     f"{', '.join(str(len(x)) for x in checks)})")
@@ -131,14 +140,17 @@ def export_onnx(model, example, metadata, path, dynamic_batch):
 @torch.no_grad()
 def check_outputs(model, run, batches, name):
     """The largest difference between the exported model's and PyTorch's outputs over batches; an ExportMismatch
-    beyond ATOL + RTOL * |PyTorch's|."""
+    beyond ATOL + RTOL * |PyTorch's|, or where either is not finite."""
     largest = 0.0
     for x in batches:
         expected, got = model(x), run(x)
+        if not expected.isfinite().all():
+            raise ExportMismatch(f"{name}: the checkpoint's own outputs are not finite (nan or inf); its weights "
+                                 f"are broken, nothing to export")
         if got.shape != expected.shape:
             raise ExportMismatch(f"{name}: output shape {tuple(got.shape)}, PyTorch's {tuple(expected.shape)}")
         difference = (got - expected).abs()
-        if (difference > ATOL + RTOL * expected.abs()).any():
+        if not torch.isclose(got, expected, rtol=RTOL, atol=ATOL).all():  # nan in got is never close
             raise ExportMismatch(f"{name}: outputs differ from PyTorch's by up to {difference.max():.3g} (tolerance "
                                  f"{ATOL:g} + {RTOL:g} x |output|) on a batch of {len(x)}")
         largest = max(largest, difference.max().item())

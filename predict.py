@@ -24,7 +24,7 @@ from models import model_from_checkpoint
 from utils.checkpoint import load_model_checkpoint
 from utils.config import checkpoint_recipe
 from utils.general import LOGGER, UsageError, colorstr, cpu_count, format_table, increment_path
-from utils.torch_utils import autocast, autocast_dtype, exit_on_error, select_device, set_device
+from utils.torch_utils import autocast, exit_on_error, inference_precision, select_device, set_device
 
 MAX_ROWS_SHOWN = 50  # more predictions are saved but not printed
 
@@ -97,9 +97,9 @@ def predict(args):
         raise UsageError("--topk and --batch-size must be >= 1 and --workers >= 0")
     ckpt = load_model_checkpoint(args.weights)
     cfg, classes = checkpoint_recipe(ckpt["recipe"], args.weights), ckpt["classes"]
-    device = select_device(args.device)
+    device = select_device(args.device, key="--device")
     set_device(device)
-    dtype = autocast_dtype(args.precision or cfg.train.precision, device)
+    _, dtype = inference_precision(args.precision, cfg.train.precision, device)
     paths = list_images(args.source)
     loader = DataLoader(ImageFiles(paths, val_transforms(cfg.data)), batch_size=args.batch_size,
                         num_workers=min(args.workers, len(paths) // args.batch_size), collate_fn=collate,

@@ -7,6 +7,7 @@ Usage:
 """
 
 import argparse
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -213,12 +214,12 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
 
 def next_steps(run_dir, state, epochs, seconds, val_folder):
     """The end of a run: where its results are, its best score, and the commands that use them."""
-    best = run_dir / "weights" / "best.pt"
+    best = shlex.quote(str(run_dir / "weights" / "best.pt"))  # pasted into a shell as printed
     return (f"\n{epochs} epochs in {seconds:.1f}s. Results saved to {colorstr('bold', str(run_dir))} (results.csv, "
             f"results.png, TensorBoard events, weights/)\nBest val top-1 {state.best_top1:.2%} at epoch "
-            f"{state.best_epoch}: {best}\nNext:\n  tensorboard --logdir {run_dir.parent}\n"
+            f"{state.best_epoch}: {best}\nNext:\n  tensorboard --logdir {shlex.quote(str(run_dir.parent))}\n"
             f"  python val.py --weights {best}\n"
-            f"  python predict.py --weights {best} --source {short_path(val_folder)}\n"
+            f"  python predict.py --weights {best} --source {shlex.quote(str(short_path(val_folder)))}\n"
             f"  python export.py --weights {best} --format onnx")
 
 
@@ -351,6 +352,7 @@ def stop(vote, run_dir, epoch, step, steps):
 
 def resume_command(run_dir):
     """The command that continues this run from its last checkpoint, launched as this one was."""
+    run_dir = shlex.quote(str(run_dir))
     if RUN_ID is None:
         return f"python train.py --resume {run_dir}"
     nodes = WORLD_SIZE // LOCAL_WORLD_SIZE

@@ -18,12 +18,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from data.datasets import build_dataloader, dataset_root, eval_dataset, skip_unreadable, skipped_message
 from data.transforms import normalizer, val_transforms
 from models import model_from_checkpoint
-from utils.checkpoint import load_model_checkpoint
+from utils.checkpoint import load_model_checkpoint, position
 from utils.config import checkpoint_recipe
 from utils.general import LOGGER, UsageError, colorstr, format_table, increment_path, short_path
 from utils.metrics import evaluate, per_class
 from utils.plots import confusion_figure, save_figure
-from utils.torch_utils import (RANK, WORLD_SIZE, autocast_dtype, cleanup_distributed, exit_on_error, on_rank0,
+from utils.torch_utils import (RANK, WORLD_SIZE, cleanup_distributed, exit_on_error, inference_precision, on_rank0,
                                select_device, set_device, set_threads, setup_distributed)
 
 MAX_CLASSES_SHOWN = 50  # more classes are saved to per_class.csv but not printed
@@ -62,9 +62,9 @@ def validate(args):
     """Evaluate the checkpoint on the split; rank 0 prints and saves the results. Returns the metrics."""
     ckpt = on_rank0(load_model_checkpoint, args.weights)  # read once, shared: other machines need no copy
     cfg, classes = checkpoint_recipe(ckpt["recipe"], args.weights), ckpt["classes"]
-    device = select_device(args.device)
+    device = select_device(args.device, key="--device")
     set_device(device)
-    dtype = autocast_dtype(args.precision or cfg.train.precision, device)
+    precision, dtype = inference_precision(args.precision, cfg.train.precision, device)
     _, workers = set_threads(cfg.data.workers if args.workers is None else args.workers)
     root = dataset_root(args.data or cfg.data.name)
     dataset = eval_dataset(root, args.split, val_transforms(cfg.data), classes, args.weights)
@@ -78,32 +78,30 @@ def validate(args):
     batch_size = max(batch_size // WORLD_SIZE, 1) * WORLD_SIZE  # split evenly between the processes
     loader = build_dataloader(dataset, batch_size, False, cfg.seed, workers, device)
     model = model_from_checkpoint(ckpt, cfg, args.weights).to(device)
-    LOGGER.info(f"{colorstr('val:')} {args.weights} on {short_path(dataset.root)}: {len(dataset)} images, "
-                f"{len(classes)} classes; {WORLD_SIZE} process(es) on {device.type}, batch {batch_size}, "
-                f"{args.precision or cfg.train.precision}")
+    LOGGER.info(f"{colorstr('val:')} {args.weights} ({position(ckpt)}) on {short_path(dataset.root)}: {len(dataset)} images, "
+                f"{len(classes)} classes; {WORLD_SIZE} process(es) on {device.type}, batch {batch_size}, {precision}")
     metrics = evaluate(model, loader, normalizer(cfg.data, device), len(classes), device, dtype)
     if RANK == 0:
         save_dir = increment_path(Path(args.project) / args.name, mkdir=True)
         LOGGER.info(report(metrics, classes))
-        save_results(save_dir, metrics, classes, {"weights": str(args.weights), "data": str(dataset.root),
-                                                  "processes": WORLD_SIZE, "batch_size": batch_size,
-                                                  "precision": args.precision or cfg.train.precision})
-        LOGGER.info(f"Results saved to {colorstr('bold', str(save_dir))}: metrics.json, per_class.csv, "
-                    f"confusion_matrix.csv, confusion_matrix.png")
+        files = save_results(save_dir, metrics, classes, {
+            "weights": str(args.weights), "epoch": ckpt["epoch"], "step": ckpt["step"], "data": str(dataset.root),
+            "processes": WORLD_SIZE, "batch_size": batch_size, "precision": precision})
+        LOGGER.info(f"Results saved to {colorstr('bold', str(save_dir))}: {', '.join(files)}")
     return metrics
 
 
 def report(metrics, classes):
-    """The console report: overall metrics, then one row per class."""
+    """The console report: overall metrics, then one row per class (top-5 with 5 classes or more)."""
     top5 = "" if metrics["val/top5"] is None else f"  top-5 {metrics['val/top5']:.2%}"
-    rows = [(name, n, f"{precision:.3f}", fmt(recall), fmt(top5_acc))
-            for name, (n, precision, recall, top5_acc) in zip(classes, per_class(metrics["confusion"],
-                                                                                 metrics["top5_hits"]))]
     overall = (f"top-1 {metrics['val/top1']:.2%}{top5}  loss {metrics['val/loss']:.4f}  "
                f"({metrics['val/samples']} images)")
     if len(classes) > MAX_CLASSES_SHOWN:
         return f"{overall}\n(per-class results of the {len(classes)} classes in per_class.csv)"
-    return f"{overall}\n" + format_table(["class", "images", "precision", "recall", "top-5"], rows)
+    columns = 5 if metrics["val/top5"] is not None else 4
+    rows = [(name, n, f"{precision:.3f}", fmt(recall), fmt(top5_acc))[:columns]
+            for name, (n, precision, recall, top5_acc) in zip(classes, per_class(metrics["class_counts"]))]
+    return f"{overall}\n" + format_table(["class", "images", "precision", "recall", "top-5"][:columns], rows)
 
 
 def fmt(value):
@@ -112,20 +110,24 @@ def fmt(value):
 
 
 def save_results(save_dir, metrics, classes, facts):
-    """metrics.json, per_class.csv, and the confusion matrix as CSV (counts) and PNG (rows normalised)."""
+    """metrics.json, per_class.csv, and the confusion matrix (when kept) as CSV (counts) and PNG (rows
+    normalised); returns the names of the files written."""
     summary = {"top1": metrics["val/top1"], "top5": metrics["val/top5"], "loss": metrics["val/loss"],
                "images": metrics["val/samples"], **facts}
     (save_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
     with open(save_dir / "per_class.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["class", "images", "precision", "recall", "top5"])
-        for name, row in zip(classes, per_class(metrics["confusion"], metrics["top5_hits"])):
+        for name, row in zip(classes, per_class(metrics["class_counts"])):
             writer.writerow([name, *("" if v is None else f"{v:.6g}" for v in row)])
+    if metrics["confusion"] is None:  # too many classes to keep one
+        return ["metrics.json", "per_class.csv"]
     with open(save_dir / "confusion_matrix.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["true \\ predicted", *classes])
         writer.writerows([name, *row] for name, row in zip(classes, metrics["confusion"].tolist()))
     save_figure(confusion_figure(metrics["confusion"], classes), save_dir / "confusion_matrix.png")
+    return ["metrics.json", "per_class.csv", "confusion_matrix.csv", "confusion_matrix.png"]
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def run_case(n_train, n_val, batch, epochs, device):
 def scalars(metrics):
     """evaluate()'s metrics as JSON values: the confusion matrix and per-class hits as lists, no images."""
     return {**{k: v for k, v in metrics.items() if k != "wrong"}, "confusion": metrics["confusion"].tolist(),
-            "top5_hits": metrics["top5_hits"].tolist()}
+            "class_counts": metrics["class_counts"].tolist()}
 
 
 def main(out, n_val, epochs):

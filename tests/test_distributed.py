@@ -34,4 +34,5 @@ def test_uneven_shares_keep_ranks_identical_and_validation_exact(uneven_report, 
         assert abs(metrics["val/loss"] - uneven_report[case]["reference"]["val/loss"]) < 1e-6
         # The reference's counts are those of both ranks evaluating the whole set: twice the true ones.
         assert [[2 * n for n in row] for row in metrics["confusion"]] == uneven_report[case]["reference"]["confusion"]
-        assert [2 * n for n in metrics["top5_hits"]] == uneven_report[case]["reference"]["top5_hits"]
+        assert [[2 * n for n in row] for row in metrics["class_counts"]] == \
+            uneven_report[case]["reference"]["class_counts"]

@@ -116,3 +116,12 @@ def test_increment_path_claims_next_free_dir(tmp_path):
     assert increment_path(tmp_path / "exp", mkdir=True) == tmp_path / "exp2"
     assert increment_path(tmp_path / "exp", mkdir=True) == tmp_path / "exp3"
     assert increment_path(tmp_path / "exp") == tmp_path / "exp4" and not (tmp_path / "exp4").exists()
+
+
+def test_evaluation_falls_back_from_a_precision_the_device_cannot_run():
+    cpu = torch.device("cpu")
+    assert tu.inference_precision(None, "bf16", cpu) == ("bf16", torch.bfloat16)
+    assert tu.inference_precision(None, "fp16", cpu) == ("fp32", None)  # trained on a GPU, evaluated on a CPU
+    assert tu.inference_precision("fp32", "bf16", cpu) == ("fp32", None)
+    with pytest.raises(UsageError, match="--precision=fp16 needs a CUDA device"):
+        tu.inference_precision("fp16", "fp32", cpu)

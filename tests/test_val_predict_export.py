@@ -39,6 +39,7 @@ def test_val_reproduces_the_top1_training_recorded_and_saves_its_tables(best, tm
     metrics = val.main(["--weights", str(weights), "--project", str(tmp_path)])
     assert float(f"{metrics['val/top1']:.6g}") == recorded
     out = log.text
+    assert f"{weights} (after epoch {load_model_checkpoint(weights)['epoch']}) on" in out
     assert f"top-1 {recorded:.2%}" in out and "(360 images)" in out and "class  images  precision  recall  top-5" in out
     summary = json.loads((tmp_path / "exp" / "metrics.json").read_text())
     assert summary["images"] == 360 and summary["top1"] == metrics["val/top1"] and summary["processes"] == 1
@@ -132,6 +133,7 @@ def real_batch(weights, n):
         return images, model_from_checkpoint(ckpt, cfg, weights)(images)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
 def test_exported_torchscript_gives_pytorchs_outputs_and_carries_its_preprocessing(exported):
     weights, results = exported
     path, difference = results["torchscript"]
@@ -166,6 +168,20 @@ def test_export_refuses_outputs_that_do_not_match(best):
     assert export.check_outputs(model, model, [x], "same") == 0.0
     with pytest.raises(export.ExportMismatch, match=r"differ from PyTorch's by up to 0.01 .* on a batch of 2"):
         export.check_outputs(model, lambda x: model(x) + 0.01, [x], "shifted")
+    with pytest.raises(export.ExportMismatch, match="differ from PyTorch's by up to nan"):
+        export.check_outputs(model, lambda x: model(x) * torch.nan, [x], "nan")
+
+
+def test_an_export_that_fails_its_check_leaves_no_file(best, tmp_path, monkeypatch, caplog):
+    weights = tmp_path / "best.pt"
+    shutil.copy(best[0], weights)
+
+    def mismatch(model, run, batches, name):
+        raise export.ExportMismatch(f"{name}: outputs differ")
+    monkeypatch.setattr(export, "check_outputs", mismatch)
+    with pytest.raises(SystemExit) as exit_:
+        export.main(["--weights", str(weights), "--format", "torchscript"])
+    assert exit_.value.code == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["best.pt"]
 
 
 def test_export_onnx_without_its_packages_says_what_to_install(best, monkeypatch, capfd):

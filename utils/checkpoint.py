@@ -67,13 +67,23 @@ def load_training_checkpoint(path, device="cpu"):
 
 
 def load_model_checkpoint(path, device="cpu"):
-    """A checkpoint with a model to evaluate or export: its weights, class names and recipe, else a clear error."""
+    """What evaluating or exporting a checkpoint needs: its weights, class names and recipe, and where in the run
+    it was saved (epoch and step; None if unknown), else a clear error. The optimizer state is left out."""
     ckpt = load_checkpoint(path, device)
     missing = [k for k in ("model", "classes", "recipe") if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise UsageError(f"{path}: not a checkpoint of train.py (missing {', '.join(missing)}); use a run's "
                          f"weights/best.pt or weights/last.pt")
-    return ckpt
+    return {key: ckpt.get(key) for key in ("model", "classes", "recipe", "epoch", "step")}
+
+
+def position(ckpt):
+    """Where in its run a checkpoint was saved, in words."""
+    if ckpt.get("epoch") is None:
+        return "position in its run unknown"
+    if not ckpt.get("step"):
+        return f"after epoch {ckpt['epoch']}"
+    return f"epoch {ckpt['epoch'] + 1}, step {ckpt['step']}: saved mid-epoch, so no row of results.csv is for it"
 
 
 def find_resume_checkpoint(resume, project):

@@ -78,7 +78,7 @@ class RunLogger:
             images, true, predicted = zip(*metrics["wrong"][:WRONG_SHOWN])
             labels = [f"{self.classes[t]} as {self.classes[p]}" for t, p in zip(true, predicted)]
             self.tb.add_image("val/misclassified", labelled_grid(torch.stack(images), labels), global_step)
-        self.last_epoch = (global_step, metrics["confusion"])
+        self.last_epoch = (global_step, metrics["confusion"])  # confusion: None with very many classes
         if self.plots.due():
             self.draw_plots()
         self.tb.flush()
@@ -88,8 +88,9 @@ class RunLogger:
         with self.plots.timed():
             save_figure(results_figure(self.csv_path), self.run_dir / "results.png")
             step, confusion = self.last_epoch
-            self.tb.add_image("val/confusion_matrix", figure_array(confusion_figure(confusion, self.classes)), step,
-                              dataformats="HWC")
+            if confusion is not None:
+                self.tb.add_image("val/confusion_matrix", figure_array(confusion_figure(confusion, self.classes)),
+                                  step, dataformats="HWC")
         self.last_epoch = None
 
     def close(self):

@@ -5,41 +5,55 @@ import torch.nn.functional as F
 
 from utils.torch_utils import all_reduce_sum, autocast
 
+# Above this many classes the C x C confusion matrix is not kept (at 20k classes it would take gigabytes on the
+# device); the per-class counts, which give precision, recall and top-5 per class, always are.
+MAX_CONFUSION_CLASSES = 2048
+
 
 @torch.no_grad()
 def evaluate(model, loader, normalize, num_classes, device, dtype=None, keep_wrong=0):
-    """Mean cross-entropy (no label smoothing), top-1 and top-5 accuracy (top-5 only with 5+ classes), the sample
-    count, the confusion matrix ('confusion', rows true class, columns predicted; int64 on the CPU) and each class's
-    top-5 hits ('top5_hits'), all summed over ranks; and up to keep_wrong of this rank's misclassified images as
-    (uint8 image, true class, predicted class) in 'wrong'."""
+    """Validation metrics, summed over ranks: mean cross-entropy (no label smoothing), top-1 and top-5 accuracy
+    (top-5 only with 5+ classes) and the sample count; 'class_counts', an int64 (4, C) tensor of each class's images,
+    predictions, correct predictions and top-5 hits; 'confusion', the (C, C) confusion matrix (rows true class,
+    columns predicted; None above MAX_CONFUSION_CLASSES); and in 'wrong' up to keep_wrong of this rank's
+    misclassified images as (uint8 image, true class, predicted class). Tensors are returned on the CPU."""
     was_training = model.training
     model.eval()
     c, k = num_classes, min(5, num_classes)
-    loss = torch.zeros((), dtype=torch.float64, device=device)
-    confusion = torch.zeros(c * c, dtype=torch.int64, device=device)
-    top5_hits = torch.zeros(c, dtype=torch.int64, device=device)
+    loss = torch.zeros(1, dtype=torch.float64, device=device)
+    counts = torch.zeros(4, c, dtype=torch.int64, device=device)
+    confusion = torch.zeros(c * c if c <= MAX_CONFUSION_CLASSES else 0, dtype=torch.int64, device=device)
     wrong = []
     for images, targets in loader:
         images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         with autocast(device, dtype):
             logits = model(normalize(images))
-        predicted = logits.topk(k, dim=1).indices
+        top = logits.topk(k, dim=1).indices
+        predicted, in_top5 = top[:, 0], (top == targets[:, None]).any(dim=1)
         loss += F.cross_entropy(logits.float(), targets, reduction="sum").double()
-        confusion += torch.bincount(targets * c + predicted[:, 0], minlength=c * c)
-        hit = (predicted == targets[:, None]).any(dim=1)
-        top5_hits += torch.bincount(targets + c * ~hit, minlength=2 * c)[:c]  # misses land past the first c bins
+        counts += torch.stack([torch.bincount(targets, minlength=c), torch.bincount(predicted, minlength=c),
+                               hits_per_class(targets, predicted == targets, c), hits_per_class(targets, in_top5, c)])
+        if len(confusion):
+            confusion += torch.bincount(targets * c + predicted, minlength=c * c)
         if len(wrong) < keep_wrong:
-            wrong += collect_wrong(images, targets, predicted[:, 0], keep_wrong - len(wrong))
+            wrong += collect_wrong(images, targets, predicted, keep_wrong - len(wrong))
     # One all-reduce of every count; float64 holds counts exactly up to 2**53.
-    totals = all_reduce_sum(torch.cat([loss[None], confusion.double(), top5_hits.double()])).cpu()
+    totals = all_reduce_sum(torch.cat([loss, counts.flatten().double(), confusion.double()])).cpu()
     model.train(was_training)
-    confusion = totals[1 : 1 + c * c].long().view(c, c)
-    top5_hits, n = totals[1 + c * c :].long(), int(confusion.sum())
+    counts = totals[1 : 1 + 4 * c].long().view(4, c)
+    n = int(counts[0].sum())
     if n == 0:
         raise RuntimeError("the validation set is empty")
-    return {"val/loss": totals[0].item() / n, "val/top1": confusion.trace().item() / n,
-            "val/top5": top5_hits.sum().item() / n if num_classes >= 5 else None, "val/samples": n,
-            "confusion": confusion, "top5_hits": top5_hits, "wrong": wrong}
+    return {"val/loss": totals[0].item() / n, "val/top1": counts[2].sum().item() / n,
+            "val/top5": counts[3].sum().item() / n if num_classes >= 5 else None, "val/samples": n,
+            "class_counts": counts, "confusion": totals[1 + 4 * c :].long().view(c, c) if len(confusion) else None,
+            "wrong": wrong}
+
+
+def hits_per_class(targets, hit, num_classes):
+    """How many samples of each class are hits: a bincount with the misses moved past the first num_classes bins
+    (a bincount with weights is not deterministic on CUDA)."""
+    return torch.bincount(targets + num_classes * ~hit, minlength=2 * num_classes)[:num_classes]
 
 
 def collect_wrong(images, targets, predicted, most):
@@ -49,9 +63,11 @@ def collect_wrong(images, targets, predicted, most):
     return [(images[i], int(targets[i]), int(predicted[i])) for i in index]
 
 
-def per_class(confusion, top5_hits):
-    """Per class: (images, precision, recall, top-5 accuracy); recall is the class's top-1 accuracy. A class never
-    predicted has precision 0; one without images has recall and top-5 accuracy None."""
-    images, predicted, correct = confusion.sum(1).tolist(), confusion.sum(0).tolist(), confusion.diagonal().tolist()
-    return [(n, right / guessed if guessed else 0.0, right / n if n else None, top5 / n if n else None)
-            for n, guessed, right, top5 in zip(images, predicted, correct, top5_hits.tolist())]
+def per_class(class_counts):
+    """Per class, from evaluate()'s class_counts: (images, precision, recall, top-5 accuracy); recall is the class's
+    top-1 accuracy. A class never predicted has precision 0; one without images has recall None; top-5 accuracy is
+    None with fewer than 5 classes (every class is then in the top 5)."""
+    images, predicted, correct, top5 = class_counts.tolist()
+    with_top5 = len(images) >= 5
+    return [(n, right / guessed if guessed else 0.0, right / n if n else None, hits / n if n and with_top5 else None)
+            for n, guessed, right, hits in zip(images, predicted, correct, top5)]

@@ -38,14 +38,15 @@ def exit_on_error(script, error):
     sys.exit(2)
 
 
-def select_device(device="auto", local_rank=LOCAL_RANK):
-    """Return the torch.device for this process: 'auto' picks CUDA when present; a GPU is chosen by LOCAL_RANK."""
+def select_device(device="auto", local_rank=LOCAL_RANK, key="device"):
+    """Return the torch.device for this process: 'auto' picks CUDA when present; a GPU is chosen by LOCAL_RANK.
+    Errors name key, where the choice came from."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise UsageError(f"device={device!r} but CUDA is not available here; use device=cpu or device=auto")
+        raise UsageError(f"{key}={device!r} but CUDA is not available here; use {key}=cpu or {key}=auto")
     if local_rank >= torch.cuda.device_count():
         raise UsageError(f"LOCAL_RANK {local_rank} needs GPU {local_rank}, but only "
                            f"{torch.cuda.device_count()} GPU(s) are visible; lower --nproc_per_node")
@@ -256,14 +257,28 @@ def broadcast_optimizer_state(optimizer, src=0):
                 value.copy_(moved)
 
 
-def autocast_dtype(precision, device):
-    """Autocast dtype for a recipe precision ('fp32' -> None), refusing combinations the device can't run."""
+def autocast_dtype(precision, device, key="train.precision"):
+    """Autocast dtype for a precision ('fp32' -> None), refusing combinations the device can't run (the error
+    names key, where the precision came from)."""
     dtype = AUTOCAST_DTYPES[precision]
     if dtype is torch.float16 and device.type != "cuda":
-        raise UsageError("train.precision=fp16 needs a CUDA device; use bf16 on CPU")
+        raise UsageError(f"{key}={precision} needs a CUDA device; use bf16 on CPU")
     if dtype is torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise UsageError("train.precision=bf16 is not supported by this GPU; use fp16")
+        raise UsageError(f"{key}={precision} is not supported by this GPU; use fp16")
     return dtype
+
+
+def inference_precision(requested, trained, device):
+    """(precision, autocast dtype) to evaluate in: the one asked for (--precision), else the one the checkpoint
+    was trained in, or fp32 (with a warning) where this device cannot run that one (fp16 on a CPU)."""
+    if requested:
+        return requested, autocast_dtype(requested, device, "--precision")
+    try:
+        return trained, autocast_dtype(trained, device)
+    except UsageError:
+        LOGGER.warning(f"the checkpoint was trained in {trained}, which {device.type} cannot run: evaluating in fp32 "
+                       f"(choose with --precision)")
+        return "fp32", None
 
 
 def autocast(device, dtype):
