@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from data.datasets import build_dataloader, build_datasets, check_shareable, dataset_root, set_epoch
 from data.transforms import normalizer, train_transforms, val_transforms
-from models import build_model, check_input_size
+from models import build_model, check_input_size, load_weights, read_weights
 from utils.checkpoint import find_resume_checkpoint, load_training_checkpoint, run_dir_of, save_checkpoint
 from utils.config import Recipe, check_resumable, load_recipe, load_resumed_recipe, parse_overrides, recipe_to_yaml
 from utils.general import LOGGER, SharedError, UsageError, colorstr, increment_path, short_path
@@ -148,7 +148,10 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
     steps = train_loader.sampler.steps()[0]
     normalize = normalizer(cfg.data, device)
 
-    model = build_model(cfg.model, len(classes)).to(device)
+    model = build_model(cfg.model, len(classes))
+    if cfg.model.weights:
+        start_from(model, cfg.model.weights, len(classes))
+    model = model.to(device)
     check_input_size(model, cfg.model.name, cfg.data.img_size, device)
     model = sync_batchnorm(model, cfg.model.sync_bn, device)
     optimizer = build_optimizer(model, cfg.optim)
@@ -405,6 +408,13 @@ def restore(state, path, ckpt, classes, epochs):
     if len(ckpt["rng"]) != WORLD_SIZE:
         LOGGER.warning(f"{path} was saved by {len(ckpt['rng'])} process(es), resumed by {WORLD_SIZE}: the data "
                        f"and steps are the same, but per-process random streams (dropout) start afresh")
+
+
+def start_from(model, path, num_classes):
+    """model.weights: rank 0 reads the file and shares it; every rank loads it, the classifier head resized."""
+    resized = load_weights(model, on_rank0(read_weights, path), num_classes, f"model.weights={path}")
+    head = f"; {', '.join(resized)} initialised afresh for {num_classes} classes" if resized else ""
+    LOGGER.info(f"{colorstr('model:')} weights from {path}{head}")
 
 
 def make_run_dir(cfg):

@@ -79,7 +79,8 @@ def validate(args):
     loader = build_dataloader(dataset, batch_size, False, cfg.seed, workers, device)
     model = model_from_checkpoint(ckpt, cfg, args.weights).to(device)
     LOGGER.info(f"{colorstr('val:')} {args.weights} ({position(ckpt)}) on {short_path(dataset.root)}: "
-                f"{len(dataset)} images, {len(classes)} classes; {WORLD_SIZE} process(es) on {device.type}, batch {batch_size}, {precision}")
+                f"{len(dataset)} images, {len(classes)} classes; {WORLD_SIZE} process(es) on {device.type}, "
+                f"batch {batch_size}, {precision}")
     metrics = evaluate(model, loader, normalizer(cfg.data, device), len(classes), device, dtype)
     if RANK == 0:
         save_dir = increment_path(Path(args.project) / args.name, mkdir=True)

@@ -1,12 +1,16 @@
-"""Networks: build_model() turns the recipe's model section into an nn.Module; check_input_size() tries it once."""
+"""Networks: build_model() turns the recipe's model section into an nn.Module, load_weights() starts it from a local
+state_dict, check_input_size() tries it once."""
 
 from functools import cache
+from pathlib import Path
 
 import torch
 import torchvision
+from torch import nn
 
 from models.convnet import ConvNet
-from utils.general import UsageError
+from utils.checkpoint import load_checkpoint
+from utils.general import SharedError, UsageError
 
 # Their training-mode output is (logits, aux logits): build them with the main head only, so every model
 # returns plain logits. init_weights=True keeps torchvision's current initialisation and silences its warning.
@@ -27,6 +31,52 @@ def build_model(cfg, num_classes):
     # weights=None: nothing is downloaded; these machines may have no internet
     return torchvision.models.get_model(cfg.name, weights=None, num_classes=num_classes,
                                         **MAIN_HEAD_ONLY.get(cfg.name, {}))
+
+
+def read_weights(path):
+    """The state_dict file model.weights names (weights_only), or a clear error: nothing is downloaded."""
+    if not Path(path).is_file():
+        raise UsageError(f"model.weights={path!r}: no such file; give a local state_dict file (nothing is downloaded "
+                         f"here: save torchvision's with torch.save(get_weight('NAME').get_state_dict(), PATH) on a "
+                         f"machine with internet)")
+    state = load_checkpoint(path)
+    if not isinstance(state, dict):
+        raise UsageError(f"model.weights={path!r}: not a state_dict")
+    return state
+
+
+def load_weights(model, state, num_classes, source):
+    """Load a state_dict (a train.py checkpoint's 'model', or a plain one such as torchvision's files) into model,
+    except its classifier head where the class count differs, which stays as initialised; returns the head's keys
+    that were left so. Anything else that does not fit is an error naming the key."""
+    if isinstance(state.get("model"), dict):  # a checkpoint of train.py
+        state = state["model"]
+    state = {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in state.items()}  # DDP, compile
+    own, head = model.state_dict(), head_keys(model, num_classes)
+    for key, value in state.items():
+        if key not in own:
+            raise SharedError(f"{source}: '{key}' is not a weight of this model; the file is for another model.name")
+        if value.shape != own[key].shape and key not in head:
+            raise SharedError(f"{source}: '{key}' has shape {tuple(value.shape)}, the model {tuple(own[key].shape)}; "
+                             f"the file is for another model.name or size")
+    missing = [k for k in own if k not in state and k not in head and not k.endswith("num_batches_tracked")]
+    if missing:
+        raise SharedError(f"{source}: has no '{missing[0]}' ({len(missing)} weight(s) missing); the file is for "
+                         f"another model.name")
+    kept = {k: v for k, v in state.items() if v.shape == own[k].shape}
+    model.load_state_dict(kept, strict=False)
+    return [k for k in head if k not in kept]
+
+
+def head_keys(model, num_classes):
+    """The state_dict keys of the classifier head: the last Linear or Conv2d layer with num_classes outputs."""
+    layers = [(name, m) for name, m in model.named_modules()
+              if isinstance(m, nn.Linear) and m.out_features == num_classes
+              or isinstance(m, nn.Conv2d) and m.out_channels == num_classes]
+    if not layers:
+        return []
+    name, layer = layers[-1]
+    return [f"{name}.{k}" for k, _ in layer.named_parameters()]
 
 
 def model_from_checkpoint(ckpt, cfg, source):

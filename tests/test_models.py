@@ -4,7 +4,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from models import build_model, check_input_size, model_names
+from models import build_model, check_input_size, load_weights, model_names, read_weights
 from utils.config import ModelConfig
 from utils.general import UsageError
 
@@ -55,3 +55,38 @@ def test_convnet_norm_choices_have_no_batch_statistics(norm, kind):
     kinds = {type(m) for m in model.modules()}
     assert torch.nn.BatchNorm2d not in kinds and (kind is None or kind in kinds)
     assert model(torch.randn(1, 3, 8, 8)).shape == (1, 7)  # a batch of one trains without batch statistics
+
+
+def test_weights_load_from_our_checkpoints_and_torchvision_files_with_the_head_resized(tmp_path):
+    source = build_model(OmegaConf.structured(ModelConfig(name="convnet", width=4, depth=2)), 10)
+    torch.save({"model": source.state_dict(), "classes": list("abcdefghij")}, tmp_path / "ours.pt")
+    model = build_model(OmegaConf.structured(ModelConfig(name="convnet", width=4, depth=2)), 3)
+    head = model.state_dict()["head.3.weight"].clone()
+    resized = load_weights(model, read_weights(tmp_path / "ours.pt"), 3, "ours")
+    assert resized == ["head.3.weight", "head.3.bias"]
+    assert all(torch.equal(v, source.state_dict()[k]) for k, v in model.state_dict().items()
+               if not k.startswith("head"))
+    assert torch.equal(model.state_dict()["head.3.weight"], head)  # as initialised, for 3 classes
+    # torchvision's file format: a plain state_dict of a 1000-class model
+    torchvision_file = tmp_path / "mobilenet.pth"
+    torch.save(build_model(OmegaConf.structured(ModelConfig(name="mobilenet_v3_small")), 1000).state_dict(),
+               torchvision_file)
+    mobilenet = build_model(OmegaConf.structured(ModelConfig(name="mobilenet_v3_small")), 5)
+    assert load_weights(mobilenet, read_weights(torchvision_file), 5, "tv") == ["classifier.3.weight",
+                                                                                 "classifier.3.bias"]
+    assert torch.equal(mobilenet.features[0][0].weight, torch.load(torchvision_file)["features.0.0.weight"])
+    # the same class count: everything loads
+    assert load_weights(source, read_weights(tmp_path / "ours.pt"), 10, "ours") == []
+
+
+def test_weights_that_do_not_fit_or_do_not_exist_are_named(tmp_path):
+    torch.save(build_model(OmegaConf.structured(ModelConfig(name="convnet", width=4, depth=2)), 3).state_dict(),
+               tmp_path / "convnet.pt")
+    wider = build_model(OmegaConf.structured(ModelConfig(name="convnet", width=8, depth=2)), 3)
+    with pytest.raises(UsageError, match=r"w: 'features.0.0.weight' has shape \(4, 3, 3, 3\), the model \(8, 3, 3"):
+        load_weights(wider, read_weights(tmp_path / "convnet.pt"), 3, "w")
+    resnet = build_model(OmegaConf.structured(ModelConfig(name="resnet18")), 3)
+    with pytest.raises(UsageError, match="r: 'features.0.0.weight' is not a weight of this model"):
+        load_weights(resnet, read_weights(tmp_path / "convnet.pt"), 3, "r")
+    with pytest.raises(UsageError, match=r"model.weights='.*nope.pth': no such file; .*nothing is downloaded"):
+        read_weights(str(tmp_path / "nope.pth"))

@@ -1,4 +1,4 @@
-"""Optimizer groups and the warmup + cosine schedule, stepped per iteration."""
+"""Optimizer groups and the schedules (warmup, then cosine, step, multistep or constant), stepped per iteration."""
 
 import math
 
@@ -36,6 +36,24 @@ def test_warmup_then_cosine_per_iteration():
     assert values[25] == pytest.approx(0.001 + 0.099 * (1 + math.cos(math.pi * 15 / 30)) / 2)  # cosine
     assert values[40] == pytest.approx(0.001)  # lr * min_lr_factor at the end
     assert all(a >= b for a, b in zip(values[10:], values[11:]))
+
+
+def test_step_multistep_and_constant_after_warmup():
+    # 10 steps per epoch, 2 warmup epochs from 0.01 to 0.1; the decays count epochs after warmup.
+    warmup = {"warmup_epochs": 2, "warmup_factor": 0.1}
+    _, optimizer, scheduler = make({"lr": 0.1}, {"name": "step", "step_epochs": 1.5, "gamma": 0.5, **warmup}, 8)
+    values = lrs(optimizer, scheduler, 80)
+    assert values[0] == pytest.approx(0.01) and values[10] == pytest.approx(0.055)
+    assert values[20:35] == pytest.approx([0.1] * 15)
+    assert values[35:50] == pytest.approx([0.05] * 15) and values[50] == pytest.approx(0.025)
+    _, optimizer, scheduler = make({"lr": 0.1}, {"name": "multistep", "milestones": [1, 3.5], "gamma": 0.1, **warmup},
+                                   8)
+    values = lrs(optimizer, scheduler, 80)
+    assert values[20:30] == pytest.approx([0.1] * 10) and values[30:55] == pytest.approx([0.01] * 25)
+    assert values[55:] == pytest.approx([0.001] * 26)
+    _, optimizer, scheduler = make({"lr": 0.1}, {"name": "constant", **warmup}, 8)
+    values = lrs(optimizer, scheduler, 80)
+    assert values[10] == pytest.approx(0.055) and values[20:] == pytest.approx([0.1] * 61)
 
 
 def test_no_warmup_starts_at_peak():

@@ -11,7 +11,7 @@ from data.datasets import build_dataloader, build_datasets, dataset_root
 from data.transforms import normalizer, val_transforms
 from models import build_model
 from utils.checkpoint import load_checkpoint
-from utils.config import Recipe, load_recipe
+from utils.config import ModelConfig, Recipe, load_recipe
 from utils.loggers import COLUMNS, HPARAM_METRICS
 from utils.metrics import evaluate
 
@@ -108,11 +108,16 @@ def test_results_png_is_drawn(digits_run):
         assert image.format == "PNG" and image.size == (1300, 360)
 
 
-def test_single_process_on_user_folder_with_few_classes(image_folder, tmp_path):
+def test_single_process_on_user_folder_with_few_classes_from_10_class_weights(image_folder, tmp_path):
     root = image_folder({"train": {"ant": 6, "bee": 5, "cat": 5}, "test": {"ant": 2, "bee": 3, "cat": 2}})
+    torch.save(build_model(OmegaConf.structured(ModelConfig(name="convnet", width=4)), 10).state_dict(),
+               tmp_path / "digits.pt")
     result = run_python("train.py", "--recipe", "cls.yaml", f"data.name={root}", "train.epochs=2",
-                        "train.batch_size=4", "model.width=4", f"project={tmp_path / 'runs'}", "name=tiny")
+                        "train.batch_size=4", "model.width=4", f"project={tmp_path / 'runs'}", "name=tiny",
+                        f"model.weights={tmp_path / 'digits.pt'}")
     assert result.returncode == 0, result.stderr[-3000:]
+    assert (f"weights from {tmp_path / 'digits.pt'}; head.3.weight, head.3.bias initialised afresh for 3 classes"
+            in result.stdout)
     header, rows = read_results(tmp_path / "runs" / "tiny")
     assert len(rows) == 2 and all(r["val/top5"] == "" for r in rows)  # top-5 needs 5 classes
     assert "1 process(es)" in result.stdout and "16 train / 7 val images, 3 classes" in result.stdout

@@ -11,6 +11,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from utils.general import ROOT, WORLD_SIZE, SharedError
 
 RECIPES_DIR = ROOT / "recipes"
+SCHEDULES = ("cosine", "step", "multistep", "constant")  # sched.name: the lr's shape after warmup
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
 
@@ -23,6 +24,7 @@ class ModelConfig:
     dropout: float = 0.0  # convnet: dropout before the classifier
     norm: str = "batch"  # convnet: batch, group (per-sample statistics, the same at any number of processes) or none
     sync_bn: bool = False  # CUDA, several processes, with data.drop_last: BatchNorm over the global batch (SyncBatchNorm)
+    weights: str = ""  # start from a local state_dict (a train.py checkpoint or torchvision's file); the head is resized
 
 
 @dataclass
@@ -62,9 +64,13 @@ class OptimConfig:
 
 @dataclass
 class SchedConfig:
-    warmup_epochs: float = 1.0  # linear warmup length, in epochs (fractions allowed); stepped per iteration
+    name: str = "cosine"  # after warmup: cosine, step, multistep or constant; stepped per iteration
+    warmup_epochs: float = 1.0  # linear warmup length, in epochs (fractions allowed)
     warmup_factor: float = 0.1  # warmup starts at lr * warmup_factor
     min_lr_factor: float = 0.01  # cosine decay ends at lr * min_lr_factor
+    step_epochs: float = 30.0  # step: multiply the lr by gamma every this many epochs after warmup
+    milestones: list[float] = field(default_factory=lambda: [30.0, 60.0, 90.0])  # multistep: lr *= gamma at these epochs after warmup
+    gamma: float = 0.1  # step and multistep: the factor at each decay
 
 
 @dataclass
@@ -250,6 +256,11 @@ def check_values(cfg, source):
     require(cfg.sched.warmup_epochs >= 0, "sched.warmup_epochs", ">= 0")
     require(0 < cfg.sched.warmup_factor <= 1, "sched.warmup_factor", "in (0, 1]")
     require(0 <= cfg.sched.min_lr_factor <= 1, "sched.min_lr_factor", "in [0, 1]")
+    require(cfg.sched.name in SCHEDULES, "sched.name", ", ".join(SCHEDULES))
+    require(cfg.sched.step_epochs > 0, "sched.step_epochs", "> 0")
+    require(list(cfg.sched.milestones) == sorted(cfg.sched.milestones) and all(m > 0 for m in cfg.sched.milestones),
+            "sched.milestones", "increasing positive epochs")
+    require(0 < cfg.sched.gamma <= 1, "sched.gamma", "in (0, 1]")
     require(cfg.device in ("auto", "cpu", "cuda"), "device", "auto, cpu or cuda")
     require(0 <= cfg.seed < 2**31, "seed", "in [0, 2**31)")
     require(bool(cfg.name.strip()), "name", "a non-empty run name")
