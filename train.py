@@ -209,16 +209,28 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
             save(*(["best.pt"] if improved else []), "last.pt")  # last.pt last: it commits the epoch
             if stop_asked and epoch + 1 < cfg.train.epochs:
                 stop(vote, run_dir, epoch + 1, 0, steps)
+            if out_of_patience(cfg.train.patience, state, cfg.train.epochs):
+                break
     if logger:
         logger.close()
-        LOGGER.info(next_steps(run_dir, state, cfg.train.epochs, time.time() - start, val_set.root))
+        LOGGER.info(next_steps(run_dir, state, time.time() - start, val_set.root))
     return state.best_top1
 
 
-def next_steps(run_dir, state, epochs, seconds, val_folder):
+def out_of_patience(patience, state, epochs):
+    """Early stopping: whether `patience` epochs have passed without a better val top-1 (every rank agrees: the
+    metrics are the same everywhere)."""
+    if not patience or state.epoch >= epochs or state.epoch - state.best_epoch < patience:
+        return False
+    LOGGER.info(f"Stopping early after epoch {state.epoch}: no better val top-1 in {patience} epochs (train.patience)"
+                f"; the best, {state.best_top1:.2%}, was at epoch {state.best_epoch}")
+    return True
+
+
+def next_steps(run_dir, state, seconds, val_folder):
     """The end of a run: where its results are, its best score, and the commands that use them."""
     best = shlex.quote(str(run_dir / "weights" / "best.pt"))  # pasted into a shell as printed
-    return (f"\n{epochs} epochs in {seconds:.1f}s. Results saved to {colorstr('bold', str(run_dir))} (results.csv, "
+    return (f"\n{state.epoch} epochs in {seconds:.1f}s. Results saved to {colorstr('bold', str(run_dir))} (results.csv, "
             f"results.png, TensorBoard events, weights/)\nBest val top-1 {state.best_top1:.2%} at epoch "
             f"{state.best_epoch}: {best}\nNext:\n  tensorboard --logdir {shlex.quote(str(run_dir.parent))}\n"
             f"  python val.py --weights {best}\n"

@@ -175,3 +175,18 @@ def test_bf16_autocast_trains_on_cpu(image_folder, tmp_path):
     _, rows = read_results(tmp_path / "r" / "exp")
     assert len(rows) == 1 and 0 <= float(rows[0]["val/top1"]) <= 1
     assert load_checkpoint(tmp_path / "r" / "exp" / "weights" / "last.pt")["recipe"]["train"]["precision"] == "bf16"
+
+
+def test_early_stopping_after_patience_epochs_without_a_better_top1(image_folder, tmp_path):
+    # Random images with random labels: val top-1 stops improving within a few epochs.
+    root = image_folder({"train": {"a": 8, "b": 8}, "val": {"a": 4, "b": 4}}, size=8)
+    result = run_python("train.py", "--recipe", "cls.yaml", f"data.name={root}", "train.epochs=12", "train.patience=2",
+                        "train.batch_size=4", "model.width=4", f"project={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, rows = read_results(tmp_path / "exp")
+    top1 = [float(r["val/top1"]) for r in rows]
+    best_epoch = top1.index(max(top1)) + 1
+    assert len(rows) == best_epoch + 2 < 12  # stopped two epochs after the best
+    assert (f"Stopping early after epoch {len(rows)}: no better val top-1 in 2 epochs (train.patience); the best, "
+            f"{max(top1):.2%}, was at epoch {best_epoch}") in result.stdout
+    assert load_checkpoint(tmp_path / "exp" / "weights" / "best.pt")["epoch"] == best_epoch

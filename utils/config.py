@@ -49,6 +49,7 @@ class TrainConfig:
     precision: str = "fp32"  # fp32, bf16 (autocast: GPUs, CPUs with AMX or AVX512-BF16) or fp16 (autocast + GradScaler; CUDA)
     deterministic: bool = True  # ask torch for deterministic kernels (reproducible runs; may be slower on GPU)
     save_every_steps: int = 0  # also save weights/last.pt every this many steps within an epoch; 0: at epoch ends only
+    patience: int = 0  # early stopping: stop after this many epochs without a better val top-1; 0: off
     log_every_steps: int = 10  # TensorBoard train/loss_step: the mean loss of every this many steps, over all ranks; 0: off
 
 
@@ -87,8 +88,8 @@ class Recipe:
 
 
 # What a resumed run may change: none of these changes what the run has trained so far.
-RESUME_KEYS = ("train.epochs", "train.save_every_steps", "train.log_every_steps", "data.workers", "device", "project",
-               "name")
+RESUME_KEYS = ("train.epochs", "train.patience", "train.save_every_steps", "train.log_every_steps", "data.workers",
+               "device", "project", "name")
 
 
 class RecipeError(SharedError):
@@ -247,6 +248,7 @@ def check_values(cfg, source):
             f"a multiple of the {WORLD_SIZE} processes (the global batch is split evenly between them)")
     require(0 <= cfg.train.label_smoothing < 1, "train.label_smoothing", "in [0, 1)")
     require(cfg.train.save_every_steps >= 0, "train.save_every_steps", ">= 0 (0 saves at epoch ends only)")
+    require(cfg.train.patience >= 0, "train.patience", ">= 0 (0 trains every epoch)")
     require(cfg.train.log_every_steps >= 0, "train.log_every_steps", ">= 0 (0 logs the loss per epoch only)")
     require(cfg.train.precision in ("fp32", "bf16", "fp16"), "train.precision", "one of fp32, bf16, fp16")
     require(cfg.optim.name in ("sgd", "adamw"), "optim.name", "sgd or adamw")
