@@ -30,10 +30,11 @@ from utils.metrics import evaluate
 from utils.optim import build_optimizer, build_scheduler
 from utils.stopping import StopVote
 from utils.torch_utils import (LOCAL_WORLD_SIZE, RANK, RESTART_COUNT, RUN_ID, WORLD_SIZE, all_reduce_sum, autocast,
-                               autocast_dtype, broadcast_buffers, broadcast_optimizer_state, broadcast_scaler_state,
-                               cleanup_distributed, de_parallel, exit_on_error, gather_object, grad_scaler, init_seeds,
-                               join_uneven_inputs, on_rank0, rng_states, select_device, set_device, set_rng_states,
-                               set_threads, setup_distributed, smart_DDP, sync_batchnorm)
+                               autocast_dtype, broadcast_buffers, broadcast_module, broadcast_optimizer_state,
+                               broadcast_scaler_state, cleanup_distributed, de_parallel, exit_on_error, gather_object,
+                               grad_scaler, init_seeds, join_uneven_inputs, model_ema, on_rank0, rng_states,
+                               select_device, set_device, set_rng_states, set_threads, setup_distributed, smart_DDP,
+                               sync_batchnorm)
 
 
 class Stopped(Exception):
@@ -58,6 +59,7 @@ class TrainState:
     logged_loss: tuple = (0.0, 0)  # epoch_loss when the loss was last logged (every train.log_every_steps steps)
     best_top1: float = -1.0
     best_epoch: int = 0
+    ema: torch.optim.swa_utils.AveragedModel | None = None  # EMA of the weights (train.ema_decay), None when off
 
 
 def parse_args(argv=None):
@@ -157,6 +159,8 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
     optimizer = build_optimizer(model, cfg.optim)
     state = TrainState(model, optimizer, build_scheduler(optimizer, cfg.sched, cfg.train.epochs, steps),
                        grad_scaler(device, dtype))
+    if cfg.train.ema_decay:
+        state.ema = model_ema(model, cfg.train.ema_decay, cfg.train.ema_steps, cfg.train.batch_size, cfg.train.epochs)
     if resume:
         restore(state, *resume, classes, cfg.train.epochs)
         if resume[1].get("train_images", len(train_set)) != len(train_set):
@@ -177,10 +181,10 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
     logger = RunLogger(run_dir, cfg, classes, (state.epoch, state.epoch * steps + state.step) if continuing else None
                        ) if RANK == 0 else None
 
-    def save(*names):  # all ranks call it; the events logged so far are flushed first, so a kill loses none of them
+    def save(*names, best_from_ema=False):  # all ranks call it; the events logged so far are flushed first
         if logger:
             logger.tb.flush()
-        save_state(state, cfg, classes, len(train_set), [run_dir / "weights" / n for n in names])
+        save_state(state, cfg, classes, len(train_set), [run_dir / "weights" / n for n in names], best_from_ema)
     start = time.time()
     with StopVote(device) as vote:
         for epoch in range(state.epoch, cfg.train.epochs):
@@ -194,19 +198,22 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
             keep_ranks_in_step(state, train_loader, epoch)
             metrics = evaluate(de_parallel(state.model), val_loader, normalize, len(classes), device, dtype,
                                keep_wrong=WRONG_SHOWN if logger else 0)
+            metrics.update(evaluate_ema(state.ema, val_loader, normalize, len(classes), device, dtype))
             loss_sum, seen = state.epoch_loss
             metrics.update({"epoch": epoch + 1, "train/loss": loss_sum / seen,
                             "lr/pg0": optimizer.param_groups[0]["lr"], "time/epoch": time.time() - epoch_start,
                             "time/img_s": images_seen / train_time})
             state.epoch, state.step, state.epoch_loss, state.logged_loss = epoch + 1, 0, (0.0, 0), (0.0, 0)
-            improved = metrics["val/top1"] > state.best_top1
+            ema_better = state.ema is not None and metrics["val/ema_top1"] > metrics["val/top1"]
+            top1 = metrics["val/ema_top1"] if ema_better else metrics["val/top1"]
+            improved = top1 > state.best_top1
             if improved:
-                state.best_top1, state.best_epoch = metrics["val/top1"], epoch + 1
+                state.best_top1, state.best_epoch = top1, epoch + 1
             if logger:
                 logger.log_epoch(metrics, (epoch + 1) * steps)
                 LOGGER.info(epoch_summary(metrics, cfg.train.epochs))
             stop_asked = check_vote(vote.settle(weights_sum(state.model)), epoch, steps)  # signal in validation?
-            save(*(["best.pt"] if improved else []), "last.pt")  # last.pt last: it commits the epoch
+            save(*(["best.pt"] if improved else []), "last.pt", best_from_ema=ema_better)  # last.pt commits the epoch
             if stop_asked and epoch + 1 < cfg.train.epochs:
                 stop(vote, run_dir, epoch + 1, 0, steps)
             if out_of_patience(cfg.train.patience, state, cfg.train.epochs):
@@ -230,8 +237,8 @@ def out_of_patience(patience, state, epochs):
 def next_steps(run_dir, state, seconds, val_folder):
     """The end of a run: where its results are, its best score, and the commands that use them."""
     best = shlex.quote(str(run_dir / "weights" / "best.pt"))  # pasted into a shell as printed
-    return (f"\n{state.epoch} epochs in {seconds:.1f}s. Results saved to {colorstr('bold', str(run_dir))} (results.csv, "
-            f"results.png, TensorBoard events, weights/)\nBest val top-1 {state.best_top1:.2%} at epoch "
+    return (f"\n{state.epoch} epochs in {seconds:.1f}s. Results saved to {colorstr('bold', str(run_dir))} "
+            f"(results.csv, results.png, TensorBoard events, weights/)\nBest val top-1 {state.best_top1:.2%} at epoch "
             f"{state.best_epoch}: {best}\nNext:\n  tensorboard --logdir {shlex.quote(str(run_dir.parent))}\n"
             f"  python val.py --weights {best}\n"
             f"  python predict.py --weights {best} --source {shlex.quote(str(short_path(val_folder)))}\n"
@@ -262,6 +269,8 @@ def train_one_epoch(state, loader, normalize, criterion, dtype, cfg, epoch, vote
             loss_sum += loss
             seen += len(targets)
             state.step = step + 1
+            if state.ema is not None and state.step % cfg.train.ema_steps == 0:
+                update_ema(state.ema, state.model, warmup=epoch < cfg.sched.warmup_epochs)
             if step < fewest:  # every rank takes this step, so all can vote, log and save (collectives) after it
                 stop = check_vote(vote.cast(loss, step), epoch, most)
                 if cfg.train.log_every_steps and state.step % cfg.train.log_every_steps == 0:  # before a save
@@ -315,6 +324,22 @@ def log_loss(state, logger, global_step, loss_before, loss_sum, seen):
     state.logged_loss = state.epoch_loss
 
 
+def update_ema(ema, model, warmup):
+    """Move the EMA towards the weights; during warmup it restarts each time, so it copies them (as torchvision's
+    reference recipes do: the early, fast-changing weights are not worth averaging)."""
+    ema.update_parameters(de_parallel(model))
+    if warmup:
+        ema.n_averaged.fill_(0)
+
+
+def evaluate_ema(ema, loader, normalize, num_classes, device, dtype):
+    """The EMA's val/ema_loss, val/ema_top1 and val/ema_top5 (None without EMA)."""
+    if ema is None:
+        return dict.fromkeys(("val/ema_loss", "val/ema_top1", "val/ema_top5"))
+    metrics = evaluate(ema.module, loader, normalize, num_classes, device, dtype)
+    return {f"val/ema_{name}": metrics[f"val/{name}"] for name in ("loss", "top1", "top5")}
+
+
 def weights_sum(model):
     """A number that is not finite if any weight is, voted on before each save: a step whose loss was finite but
     whose gradients overflowed must not be saved either."""
@@ -356,6 +381,8 @@ def keep_ranks_in_step(state, loader, epoch):
         broadcast_optimizer_state(state.optimizer)
         broadcast_scaler_state(state.scaler)
     broadcast_buffers(de_parallel(state.model))  # every rank validates rank 0's BatchNorm statistics, as saved
+    if state.ema is not None:  # a rank that skipped the epoch's last step also skipped an EMA update there
+        broadcast_module(state.ema)
 
 
 def stop(vote, run_dir, epoch, step, steps):
@@ -375,9 +402,10 @@ def resume_command(run_dir):
     return f"torchrun --nproc_per_node={LOCAL_WORLD_SIZE}{extra} train.py --resume {run_dir}"
 
 
-def save_state(state, cfg, classes, train_images, paths):
+def save_state(state, cfg, classes, train_images, paths, best_from_ema=False):
     """Save a checkpoint of the run where it is to each of paths (with every rank's random state; all ranks call
-    this together, rank 0 writes)."""
+    this together, rank 0 writes). With best_from_ema, best.pt's 'model' holds the EMA weights, which scored
+    better ('model_source' says which)."""
     rng = gather_object(rng_states())
 
     def write():
@@ -387,9 +415,12 @@ def save_state(state, cfg, classes, train_images, paths):
             "step": state.step, "epoch_loss": list(state.epoch_loss),
             "logged_loss": list(state.logged_loss), "best_top1": state.best_top1,
             "best_epoch": state.best_epoch, "classes": list(classes), "recipe": OmegaConf.to_container(cfg),
-            "rng": rng, "train_images": train_images, "ema": None}  # ema: room for EMA weights
+            "rng": rng, "train_images": train_images, "ema": None if state.ema is None else state.ema.state_dict(),
+            "model_source": "training"}
         for path in paths:
-            save_checkpoint(checkpoint, path)
+            ema_best = best_from_ema and path.name == "best.pt"
+            save_checkpoint({**checkpoint, "model": state.ema.module.state_dict(), "model_source": "ema"}
+                            if ema_best else checkpoint, path)
     on_rank0(write)
 
 
@@ -412,6 +443,8 @@ def restore(state, path, ckpt, classes, epochs):
                                       state.scheduler.lr_lambdas):  # a changed train.epochs changes the schedule
         group["lr"] = base_lr * factor(state.scheduler.last_epoch)
     state.scaler.load_state_dict(ckpt["scaler"])
+    if state.ema is not None:
+        state.ema.load_state_dict(ckpt["ema"])
     state.epoch, state.step, state.epoch_loss = ckpt["epoch"], ckpt["step"], tuple(ckpt["epoch_loss"])
     state.logged_loss = tuple(ckpt.get("logged_loss", state.epoch_loss))
     state.best_top1, state.best_epoch = ckpt["best_top1"], ckpt["best_epoch"]

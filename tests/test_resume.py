@@ -18,7 +18,8 @@ from utils.checkpoint import load_checkpoint
 # DataLoader worker at one process (two processes on two cores get none): a worker leaves compute one thread, and
 # other thread counts round differently.
 RECIPE = ["--recipe", "cls.yaml", "train.epochs=3", "train.batch_size=8", "model.width=4", "model.dropout=0.2",
-          "data.scale=[0.5,1.0]", "train.save_every_steps=2", "train.log_every_steps=1", "data.workers=1"]
+          "data.scale=[0.5,1.0]", "train.save_every_steps=2", "train.log_every_steps=1", "train.ema_decay=0.9",
+          "train.ema_steps=2", "data.workers=1"]
 TIME_COLUMNS = {"time/epoch", "time/img_s"}
 
 
@@ -53,8 +54,9 @@ def weights(run_dir):
 def assert_same_run(run_dir, reference_dir):
     """Bit-identical final weights, the same results.csv apart from timings, and each epoch and logged step once in
     TensorBoard."""
-    ours, theirs = weights(run_dir), weights(reference_dir)
-    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    for key in ("model", "ema"):  # the weights and their EMA
+        ours, theirs = (load_checkpoint(d / "weights" / "last.pt")[key] for d in (run_dir, reference_dir))
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     rows, reference_rows = results(run_dir), results(reference_dir)
     assert [r["epoch"] for r in rows] == ["1", "2", "3"]
     assert [{k: v for k, v in r.items() if k not in TIME_COLUMNS} for r in rows] == \
@@ -184,3 +186,18 @@ def test_group_norm_gives_the_same_step_at_1_two_nodes_and_3_processes(tmp_path)
     for name in ("n2", "n3"):
         other = weights(tmp_path / name)
         assert all(torch.allclose(one[k], other[k], rtol=1e-5, atol=1e-6) for k in one), name
+
+
+def test_best_pt_holds_the_better_of_the_weights_and_their_ema(reference):
+    sources = []
+    for run_dir in reference.values():
+        best = load_checkpoint(run_dir / "weights" / "best.pt")
+        row = results(run_dir)[best["epoch"] - 1]
+        top1, ema_top1 = float(row["val/top1"]), float(row["val/ema_top1"])
+        sources.append(best["model_source"])
+        assert best["model_source"] == ("ema" if ema_top1 > top1 else "training")
+        assert abs(best["best_top1"] - max(top1, ema_top1)) < 1e-6
+        held = {k: v for k, v in best["ema"].items() if k.startswith("module.")}
+        same = all(torch.equal(best["model"][k.removeprefix("module.")], v) for k, v in held.items())
+        assert same == (best["model_source"] == "ema")
+    assert "ema" in sources  # the recipe makes the EMA win somewhere, so both branches are shown

@@ -125,3 +125,24 @@ def test_evaluation_falls_back_from_a_precision_the_device_cannot_run():
     assert tu.inference_precision("fp32", "bf16", cpu) == ("fp32", None)
     with pytest.raises(UsageError, match="--precision=fp16 needs a CUDA device"):
         tu.inference_precision("fp16", "fp32", cpu)
+
+
+def test_ema_follows_the_adjusted_decay_and_copies_during_warmup():
+    from train import update_ema
+
+    model = torch.nn.Linear(3, 2)
+    # torchvision's adjustment: alpha = (1 - decay) * global batch * steps between updates / epochs
+    ema = tu.model_ema(model, decay=0.999, steps=4, global_batch=50, epochs=10)  # alpha = 0.001 * 50 * 4 / 10 = 0.02
+    start = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    update_ema(ema, model, warmup=True)  # the first update copies; in warmup, every update does
+    assert torch.equal(ema.module.weight, model.weight)
+    update_ema(ema, model, warmup=False)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    update_ema(ema, model, warmup=False)
+    expected = 0.98 * (start + 1) + 0.02 * (start + 2)
+    torch.testing.assert_close(ema.module.weight, expected)
+    assert not torch.equal(ema.module.weight, model.weight)
+    assert tu.model_ema(model, 0.5, 32, 1024, 1).module is not model  # alpha capped at 1: a copy every update

@@ -49,6 +49,8 @@ class TrainConfig:
     precision: str = "fp32"  # fp32, bf16 (autocast: GPUs, CPUs with AMX or AVX512-BF16) or fp16 (autocast + GradScaler; CUDA)
     deterministic: bool = True  # ask torch for deterministic kernels (reproducible runs; may be slower on GPU)
     save_every_steps: int = 0  # also save weights/last.pt every this many steps within an epoch; 0: at epoch ends only
+    ema_decay: float = 0.0  # EMA of the weights, validated beside them: its decay per update (e.g. 0.99998); 0: off
+    ema_steps: int = 32  # update the EMA every this many steps; the decay is adjusted for batch, steps and epochs
     patience: int = 0  # early stopping: stop after this many epochs without a better val top-1; 0: off
     log_every_steps: int = 10  # TensorBoard train/loss_step: the mean loss of every this many steps, over all ranks; 0: off
 
@@ -248,6 +250,8 @@ def check_values(cfg, source):
             f"a multiple of the {WORLD_SIZE} processes (the global batch is split evenly between them)")
     require(0 <= cfg.train.label_smoothing < 1, "train.label_smoothing", "in [0, 1)")
     require(cfg.train.save_every_steps >= 0, "train.save_every_steps", ">= 0 (0 saves at epoch ends only)")
+    require(0 <= cfg.train.ema_decay < 1, "train.ema_decay", "in [0, 1) (0 turns EMA off)")
+    require(cfg.train.ema_steps >= 1, "train.ema_steps", ">= 1")
     require(cfg.train.patience >= 0, "train.patience", ">= 0 (0 trains every epoch)")
     require(cfg.train.log_every_steps >= 0, "train.log_every_steps", ">= 0 (0 logs the loss per epoch only)")
     require(cfg.train.precision in ("fp32", "bf16", "fp16"), "train.precision", "one of fp32, bf16, fp16")

@@ -90,7 +90,8 @@ def results_figure(csv_path):
         rows = [row for row in csv.DictReader(f)]
     epochs = [int(r["epoch"]) for r in rows]
     fig = Figure(figsize=(13, 3.6), dpi=100)
-    panels = (("loss", ["train/loss", "val/loss"]), ("val accuracy", ["val/top1", "val/top5"]),
+    panels = (("loss", ["train/loss", "val/loss", "val/ema_loss"]), ("val accuracy", ["val/top1", "val/top5",
+                                                                                    "val/ema_top1", "val/ema_top5"]),
               ("learning rate", ["lr/pg0"]))
     for ax, (title, columns) in zip(fig.subplots(1, 3), panels):
         for column in columns:

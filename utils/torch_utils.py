@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from utils.general import LOGGER, RANK, WORLD_SIZE, SharedError, UsageError, cpu_count, error_line
 
@@ -167,6 +168,21 @@ def sync_batchnorm(model, enabled, device):
         raise UsageError("model.sync_bn=true needs CUDA devices (SyncBatchNorm runs on GPUs only); on CPU use "
                          "model.norm=group for statistics that do not depend on the number of processes")
     return nn.SyncBatchNorm.convert_sync_batchnorm(model) if WORLD_SIZE > 1 else model
+
+
+def model_ema(model, decay, steps, global_batch, epochs):
+    """An exponential moving average of model's weights and buffers (torch.optim.swa_utils.AveragedModel), to be
+    updated every `steps` optimizer steps. As in torchvision's reference recipes, the decay is adjusted to the
+    global batch, the steps between updates and the epochs: alpha = (1 - decay) * batch * steps / epochs."""
+    alpha = min(1.0, (1 - decay) * global_batch * steps / epochs)
+    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(1 - alpha), use_buffers=True)
+
+
+def broadcast_module(module, src=0):
+    """Copy rank src's parameters and buffers of module to every rank."""
+    if dist.is_initialized():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=src)
 
 
 def de_parallel(model):
