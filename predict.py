@@ -101,6 +101,7 @@ def predict(args):
     set_device(device)
     _, dtype = inference_precision(args.precision, cfg.train.precision, device)
     paths = list_images(args.source)
+    # No worker processes for a single batch: starting them costs more than decoding it.
     loader = DataLoader(ImageFiles(paths, val_transforms(cfg.data)), batch_size=args.batch_size,
                         num_workers=min(args.workers, len(paths) // args.batch_size), collate_fn=collate,
                         pin_memory=device.type == "cuda")

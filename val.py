@@ -72,7 +72,7 @@ def validate(args):
         skipped = skip_unreadable(dataset)
         if skipped and RANK == 0:
             LOGGER.warning(skipped_message(skipped))
-    batch_size = args.batch_size or cfg.train.batch_size
+    batch_size = cfg.train.batch_size if args.batch_size is None else args.batch_size
     if batch_size < 1:
         raise UsageError(f"--batch-size {batch_size}: must be >= 1")
     batch_size = max(batch_size // WORLD_SIZE, 1) * WORLD_SIZE  # split evenly between the processes

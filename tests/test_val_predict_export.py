@@ -193,3 +193,9 @@ def test_export_onnx_without_its_packages_says_what_to_install(best, monkeypatch
     assert exit_.value.code == 2
     assert "--format onnx needs onnxruntime (not installed): pip install -r requirements-export.txt" in \
         capfd.readouterr().err
+
+
+def test_val_refuses_a_batch_size_below_one(best, tmp_path, capfd):
+    with pytest.raises(SystemExit) as exit_:
+        val.main(["--weights", str(best[0]), "--batch-size", "0", "--project", str(tmp_path)])
+    assert exit_.value.code == 2 and "--batch-size 0: must be >= 1" in capfd.readouterr().err

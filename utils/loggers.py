@@ -35,7 +35,7 @@ class RunLogger:
     def __init__(self, run_dir, cfg, classes, done=None):
         self.run_dir, self.classes, self.csv_path = run_dir, list(classes), run_dir / "results.csv"
         self.plots = PlotBudget(PLOT_SHARE)
-        self.last_epoch = None  # (global step, confusion matrix) of the last epoch logged
+        self.unplotted = None  # (global step, confusion matrix) of the last epoch logged, until plotted
         if done is None:
             self.tb = SummaryWriter(str(run_dir))
             self.tb.add_text("recipe", textwrap.indent(OmegaConf.to_yaml(cfg), "    "))  # indented: shown as code
@@ -79,7 +79,7 @@ class RunLogger:
             images, true, predicted = zip(*metrics["wrong"][:WRONG_SHOWN])
             labels = [f"{self.classes[t]} as {self.classes[p]}" for t, p in zip(true, predicted)]
             self.tb.add_image("val/misclassified", labelled_grid(torch.stack(images), labels), global_step)
-        self.last_epoch = (global_step, metrics["confusion"])  # confusion: None with very many classes
+        self.unplotted = (global_step, metrics["confusion"])  # confusion: None with very many classes
         if self.plots.due():
             self.draw_plots()
         self.tb.flush()
@@ -88,15 +88,15 @@ class RunLogger:
         """results.png and the confusion matrix of the last epoch logged in TensorBoard."""
         with self.plots.timed():
             save_figure(results_figure(self.csv_path), self.run_dir / "results.png")
-            step, confusion = self.last_epoch
+            step, confusion = self.unplotted
             if confusion is not None:
                 self.tb.add_image("val/confusion_matrix", figure_array(confusion_figure(confusion, self.classes)),
                                   step, dataformats="HWC")
-        self.last_epoch = None
+        self.unplotted = None
 
     def close(self):
         """Draw the plots of the last epoch if they are not yet drawn; flush and close the TensorBoard writer."""
-        if self.last_epoch is not None:
+        if self.unplotted is not None:
             self.draw_plots()
         self.tb.close()
 
