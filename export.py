@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from data.transforms import preprocessing
+from data.transforms import preprocessing, val_size
 from models import model_from_checkpoint
 from utils.checkpoint import load_model_checkpoint
 from utils.config import checkpoint_recipe
@@ -68,7 +68,7 @@ def export(args):
     model = model_from_checkpoint(ckpt, cfg, weights)
     metadata = {"classes": list(classes), **preprocessing(cfg.data), "model": cfg.model.name,
                 "output": f"logits (N, {len(classes)}); softmax gives class probabilities", "weights": str(weights)}
-    size = cfg.data.img_size
+    size = val_size(cfg.data)
     # A dynamic batch is traced on a batch of 2 or more: torch.export specialises a batch of 1 to that size.
     example = torch.randn(max(args.batch_size, 2 if args.dynamic_batch else 1), 3, size, size,
                           generator=torch.Generator().manual_seed(0))

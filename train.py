@@ -19,8 +19,9 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
-from data.datasets import build_dataloader, build_datasets, check_shareable, dataset_root, set_epoch
-from data.transforms import normalizer, train_transforms, val_transforms
+from data.datasets import build_dataloader, check_shareable, set_epoch, train_val_datasets
+from data.mix import batch_mixer
+from data.transforms import normalizer, train_transforms, val_size, val_transforms
 from models import build_model, check_input_size, load_weights, read_weights
 from utils.checkpoint import find_resume_checkpoint, load_training_checkpoint, run_dir_of, save_checkpoint
 from utils.config import Recipe, check_resumable, load_recipe, load_resumed_recipe, parse_overrides, recipe_to_yaml
@@ -31,10 +32,10 @@ from utils.optim import build_optimizer, build_scheduler
 from utils.stopping import StopVote
 from utils.torch_utils import (LOCAL_WORLD_SIZE, RANK, RESTART_COUNT, RUN_ID, WORLD_SIZE, all_reduce_sum, autocast,
                                autocast_dtype, broadcast_buffers, broadcast_module, broadcast_optimizer_state,
-                               broadcast_scaler_state, cleanup_distributed, de_parallel, exit_on_error, gather_object,
-                               grad_scaler, init_seeds, join_uneven_inputs, model_ema, on_rank0, rng_states,
-                               select_device, set_device, set_rng_states, set_threads, setup_distributed, smart_DDP,
-                               sync_batchnorm)
+                               broadcast_scaler_state, cleanup_distributed, compiled, de_parallel, exit_on_error,
+                               gather_object, grad_scaler, init_seeds, join_uneven_inputs, memory_format, model_ema,
+                               no_sync, on_rank0, rng_states, select_device, set_device, set_rng_states, set_threads,
+                               setup_distributed, smart_DDP, sync_batchnorm)
 
 
 class Stopped(Exception):
@@ -140,21 +141,24 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
     """The whole run: data, model, optimizer, then per epoch train, validate, log and save; returns best top-1."""
     threads, workers = set_threads(cfg.data.workers)
     init_seeds(cfg.seed + RANK, cfg.train.deterministic)  # own dropout stream per rank; DDP copies rank 0's init
-    train_set, val_set = build_datasets(dataset_root(cfg.data.name), train_transforms(cfg.data),
-                                        val_transforms(cfg.data), skip_corrupt=cfg.data.skip_corrupt)
+    train_set, val_set = train_val_datasets(cfg.data.name, train_transforms(cfg.data), val_transforms(cfg.data),
+                                            skip_corrupt=cfg.data.skip_corrupt)
     check_shareable(train_set, WORLD_SIZE, cfg.train.batch_size, cfg.data.drop_last)
     classes = train_set.classes
+    mix = batch_mixer(cfg.data, len(classes), cfg.seed)  # None unless MixUp or CutMix is on
     train_loader = build_dataloader(train_set, cfg.train.batch_size, True, cfg.seed, workers, device,
-                                    cfg.data.drop_last)
+                                    cfg.data.drop_last, pairs=mix is not None, repeats=cfg.data.repeats)
     val_loader = build_dataloader(val_set, cfg.train.batch_size, False, cfg.seed, workers, device)
     steps = train_loader.sampler.steps()[0]
     normalize = normalizer(cfg.data, device)
 
-    model = build_model(cfg.model, len(classes))
+    model = build_model(cfg.model, len(classes), cfg.data.img_size)
     if cfg.model.weights:
         start_from(model, cfg.model.weights, len(classes))
-    model = model.to(device)
+    model = model.to(device, memory_format=memory_format(cfg.train.channels_last))
     check_input_size(model, cfg.model.name, cfg.data.img_size, device)
+    if val_size(cfg.data) != cfg.data.img_size:
+        check_input_size(model, cfg.model.name, val_size(cfg.data), device, key="data.val_img_size")
     model = sync_batchnorm(model, cfg.model.sync_bn, device)
     optimizer = build_optimizer(model, cfg.optim)
     state = TrainState(model, optimizer, build_scheduler(optimizer, cfg.sched, cfg.train.epochs, steps),
@@ -168,6 +172,7 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
                            f"holds {len(train_set)}: the order and the resumed epoch's remaining steps differ")
     if WORLD_SIZE > 1:
         state.model = smart_DDP(model, device)  # after restore: DDP starts every rank from rank 0's weights
+    state.model = compiled(state.model, cfg.train.compile)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing, reduction="sum")
 
     LOGGER.info(f"{colorstr('train:')} {WORLD_SIZE} process(es) on {device.type}, {threads} thread(s) and "
@@ -190,7 +195,7 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
         for epoch in range(state.epoch, cfg.train.epochs):
             epoch_start = time.time()
             set_epoch(train_loader, epoch, state.step)
-            images_seen, stopped = train_one_epoch(state, train_loader, normalize, criterion, dtype, cfg, epoch,
+            images_seen, stopped = train_one_epoch(state, train_loader, normalize, mix, criterion, dtype, cfg, epoch,
                                                    vote, save, logger, show_batch=not (epoch or state.step or resume))
             if stopped:
                 stop(vote, run_dir, epoch, state.step, steps)
@@ -220,7 +225,8 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
                 break
     if logger:
         logger.close()
-        LOGGER.info(next_steps(run_dir, state, time.time() - start, val_set.root))
+        images = val_set.root if hasattr(val_set, "samples") else "path/to/images"  # CIFAR's are not files
+        LOGGER.info(next_steps(run_dir, state, time.time() - start, images))
     return state.best_top1
 
 
@@ -245,10 +251,12 @@ def next_steps(run_dir, state, seconds, val_folder):
             f"  python export.py --weights {best} --format onnx")
 
 
-def train_one_epoch(state, loader, normalize, criterion, dtype, cfg, epoch, vote, save, logger=None, show_batch=False):
+def train_one_epoch(state, loader, normalize, mix, criterion, dtype, cfg, epoch, vote, save, logger=None,
+                    show_batch=False):
     """Train this rank's share of the epoch from step state.step to its end, or until the ranks agree to stop
     (state.step then says where, and last.pt holds it); returns (images all ranks trained on, whether stopped).
-    Rank 0's logger gets the loss every train.log_every_steps steps, and with show_batch the first batch."""
+    Batches are mixed by mix (MixUp, CutMix) unless it is None. Rank 0's logger gets the loss every
+    train.log_every_steps steps, and with show_batch the first batch."""
     state.model.train()
     device, sampler = next(de_parallel(state.model).parameters()).device, loader.sampler
     most, fewest = sampler.steps()  # ranks' shares differ by a sample, so a rank may take one step fewer
@@ -257,15 +265,17 @@ def train_one_epoch(state, loader, normalize, criterion, dtype, cfg, epoch, vote
     bar = tqdm(loader, desc=f"{epoch + 1}/{cfg.train.epochs}", initial=state.step, total=most,
                disable=True if RANK else None, leave=False)
     start = last_shown = time.monotonic()
-    stop = False
+    stop, layout = False, memory_format(cfg.train.channels_last)
     with join_uneven_inputs(state.model, fewest < most):
         for step, (images, targets) in enumerate(bar, state.step):
             images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             if show_batch and logger:
                 logger.log_batch(images[:32], targets[:32])
                 show_batch = False
-            loss = train_step(state, normalize(images), targets, criterion, dtype, cfg.optim.clip_grad_norm,
-                              sampler.step_samples(step))
+            images = normalize(images).contiguous(memory_format=layout)
+            if mix is not None:
+                images, targets = mix(images, targets, epoch, step)
+            loss = train_step(state, images, targets, criterion, dtype, cfg, sampler.step_samples(step))
             loss_sum += loss
             seen += len(targets)
             state.step = step + 1
@@ -296,22 +306,29 @@ def train_one_epoch(state, loader, normalize, criterion, dtype, cfg, epoch, vote
     return state.epoch_loss[1] - loss_before[1], stop
 
 
-def train_step(state, images, targets, criterion, dtype, clip_grad_norm, step_samples):
-    """One optimizer step on this rank's part of a global batch of step_samples; returns its summed loss."""
-    with autocast(images.device, dtype):
-        loss_sum = criterion(state.model(images), targets)
-    # DDP averages gradients over the processes (one that has run out adds zeros): scaled so, the step's gradient
-    # is the mean over its samples at any number of processes, also in a last, partial step.
-    loss = loss_sum * (WORLD_SIZE / step_samples)
+def train_step(state, images, targets, criterion, dtype, cfg, step_samples):
+    """One optimizer step on this rank's part of a global batch of step_samples, in train.accumulate
+    micro-batches whose gradients are all-reduced once, after the last; returns the summed loss."""
     state.optimizer.zero_grad(set_to_none=True)
-    state.scaler.scale(loss).backward()
-    if clip_grad_norm:
-        state.scaler.unscale_(state.optimizer)
-        nn.utils.clip_grad_norm_(state.model.parameters(), clip_grad_norm)
+    micro_batches = list(zip(images.tensor_split(cfg.train.accumulate), targets.tensor_split(cfg.train.accumulate)))
+    micro_batches = [(x, y) for x, y in micro_batches if len(y)]  # an epoch's last step may hold fewer samples
+    total = 0
+    for i, (x, y) in enumerate(micro_batches):
+        with no_sync(state.model, skip=i < len(micro_batches) - 1):
+            with autocast(x.device, dtype):
+                loss_sum = criterion(state.model(x), y)
+            # DDP averages gradients over the processes (one that has run out adds zeros): scaled so, the step's
+            # gradient is the mean over its samples at any number of processes and micro-batches, also in a last,
+            # partial step.
+            state.scaler.scale(loss_sum * (WORLD_SIZE / step_samples)).backward()
+        total += loss_sum.detach()
+    if cfg.optim.clip_grad_norm:
+        state.scaler.unscale_(state.optimizer)  # clip the true gradient, not fp16's scaled one
+        nn.utils.clip_grad_norm_(state.model.parameters(), cfg.optim.clip_grad_norm)
     state.scaler.step(state.optimizer)
     state.scaler.update()
     state.scheduler.step()
-    return loss_sum.detach()
+    return total
 
 
 def log_loss(state, logger, global_step, loss_before, loss_sum, seen):

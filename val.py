@@ -15,7 +15,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from data.datasets import build_dataloader, dataset_root, eval_dataset, skip_unreadable, skipped_message
+from data.datasets import build_dataloader, named_eval_dataset, skip_unreadable, skipped_message
 from data.transforms import normalizer, val_transforms
 from models import model_from_checkpoint
 from utils.checkpoint import load_model_checkpoint, position
@@ -66,9 +66,9 @@ def validate(args):
     set_device(device)
     precision, dtype = inference_precision(args.precision, cfg.train.precision, device)
     _, workers = set_threads(cfg.data.workers if args.workers is None else args.workers)
-    root = dataset_root(args.data or cfg.data.name)
-    dataset = eval_dataset(root, args.split, val_transforms(cfg.data), classes, args.weights)
-    if cfg.data.skip_corrupt:  # as training did: the top-1 it recorded left these images out
+    dataset = named_eval_dataset(args.data or cfg.data.name, args.split, val_transforms(cfg.data), classes,
+                                 args.weights)
+    if cfg.data.skip_corrupt and hasattr(dataset, "samples"):  # as training did: its recorded top-1 left them out
         skipped = skip_unreadable(dataset)
         if skipped and RANK == 0:
             LOGGER.warning(skipped_message(skipped))

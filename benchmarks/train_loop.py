@@ -76,7 +76,7 @@ def main():
             set_epoch(loader, epoch)
             state.step = 0
             with StopVote(device) as vote:
-                return train_one_epoch(state, loader, normalize, summed, dtype, cfg, epoch, vote, None)[0]
+                return train_one_epoch(state, loader, normalize, None, summed, dtype, cfg, epoch, vote, None)[0]
         return run
 
     sides = {"bare PyTorch loop": lambda epoch: bare_epoch(bare_model, bare_loader, normalize, criterion,

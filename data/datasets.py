@@ -52,6 +52,7 @@ def write_digits(root):
 
 
 EMBEDDED = {"digits": write_digits}  # datasets that ship with our requirements, written on first use
+CIFAR_NAMES = ("cifar10", "cifar100")  # read from their own file format under datasets/ (data/cifar.py)
 
 
 def dataset_root(name):
@@ -65,8 +66,8 @@ def dataset_root(name):
         return root
     root = Path(name)
     if not root.is_dir():
-        raise DatasetError(f"data.name '{name}' is neither an embedded dataset ({', '.join(EMBEDDED)}) nor a "
-                           f"directory; give the path of an ImageFolder root holding train/<class>/* and "
+        raise DatasetError(f"data.name '{name}' is neither a dataset here ({', '.join([*EMBEDDED, *CIFAR_NAMES])}) "
+                           f"nor a directory; give the path of an ImageFolder root holding train/<class>/* and "
                            f"val/<class>/* (nothing is downloaded)")
     return root
 
@@ -168,6 +169,28 @@ def build_datasets(root, train_transform, val_transform, skip_corrupt=False):
     return train_set, val_set
 
 
+def train_val_datasets(name, train_transform, val_transform, skip_corrupt=False):
+    """The train and val datasets data.name names: CIFAR-10/100's training and test sets, or an ImageFolder's
+    (embedded or the user's) train/ and val/ folders."""
+    if name in CIFAR_NAMES:
+        from data.cifar import cifar_dataset  # which imports this module
+        return cifar_dataset(name, True, train_transform), cifar_dataset(name, False, val_transform)
+    return build_datasets(dataset_root(name), train_transform, val_transform, skip_corrupt)
+
+
+def named_eval_dataset(name, split, transform, classes, weights):
+    """data.name's split (train, val or test) labelled with the classes a checkpoint (weights) was trained on;
+    CIFAR's val is its test set."""
+    if name not in CIFAR_NAMES:
+        return eval_dataset(dataset_root(name), split, transform, classes, weights)
+    from data.cifar import cifar_dataset
+    dataset = cifar_dataset(name, split == "train", transform)
+    if dataset.classes != list(classes):
+        raise DatasetError(f"{name}: its {len(dataset.classes)} classes are not the {len(classes)} classes {weights} "
+                           f"was trained on")
+    return dataset
+
+
 def check_shareable(train_set, world_size=WORLD_SIZE, batch_size=1, drop_last=False):
     """Every process needs at least one training image: DDP cannot join a rank that never took a step; with
     drop_last, the epoch needs one whole global batch."""
@@ -179,14 +202,16 @@ def check_shareable(train_set, world_size=WORLD_SIZE, batch_size=1, drop_last=Fa
                            f"image(s) are fewer than one global batch (train.batch_size={batch_size})")
 
 
-def build_dataloader(dataset, batch_size, train, seed, workers, device, drop_last=False):
+def build_dataloader(dataset, batch_size, train, seed, workers, device, drop_last=False, pairs=False, repeats=1):
     """DataLoader over this rank's share of dataset (see DistributedShuffleSampler); batch_size is global.
 
     For training the order is shuffled per epoch and each sample's augmentation seeded (see SeededSamples); call
-    set_epoch(loader, epoch) before each epoch.
+    set_epoch(loader, epoch) before each epoch. With pairs, consecutive samples of the order come in pairs on one
+    rank (for MixUp and CutMix); repeats > 1 is repeated augmentation.
     """
     sampler = DistributedShuffleSampler(len(dataset), RANK, WORLD_SIZE, shuffle=train, seed=seed,
-                                        batch_size=batch_size, drop_last=train and drop_last)
+                                        batch_size=batch_size, drop_last=train and drop_last, group=2 if pairs else 1,
+                                        repeats=repeats if train else 1)
     # Worker w seeds torch, random and numpy with base + w, base drawn from this generator, which set_epoch
     # reseeds from (seed, epoch, rank); the transforms of training samples draw from SeededSamples' seeds instead.
     generator = torch.Generator().manual_seed(seed_hash(seed, 0, RANK))

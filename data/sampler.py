@@ -10,19 +10,25 @@ MASK64 = (1 << 64) - 1
 
 
 class DistributedShuffleSampler(Sampler):
-    """Yield this rank's share of a dataset: positions rank, rank + world_size, ... of a permutation of it.
+    """Yield this rank's share of a dataset: groups rank, rank + world_size, ... of a permutation of it cut into
+    groups of `group` consecutive samples (single samples by default; pairs where samples are mixed in pairs).
 
     The permutation depends only on (seed, epoch), so every rank draws the same one and the shares are disjoint
-    and together cover the dataset exactly once: nothing is padded, and ranks may differ by one sample. With a
-    per-rank batch of batch_size / world_size, step i's batches across ranks are together exactly positions
-    [i*B, (i+1)*B) of the permutation, the same global batch at any world size. drop_last drops the permutation's
-    last partial global batch, so every rank takes the same number of steps. set_epoch(epoch, start_step) skips
-    the steps a resumed run has already done, without loading their images.
+    and together cover it exactly once: nothing is padded, and ranks differ by at most one group. With a per-rank
+    batch of batch_size / world_size (a multiple of group), step i's batches across ranks are together exactly
+    positions [i*B, (i+1)*B) of the permutation, the same global batch at any world size, and each group lies on
+    one rank. drop_last drops the permutation's last partial global batch, so every rank takes the same number of
+    steps. With repeats=K (repeated augmentation), each sample appears K times in a row, each copy with its own id
+    (index + copy * dataset_size, see SeededSamples) and augmentation, and the epoch is cut back to dataset_size
+    samples, so it costs what an epoch without repeats does. set_epoch(epoch, start_step) skips the steps a
+    resumed run has already done, without loading their images.
     """
 
-    def __init__(self, dataset_size, rank=0, world_size=1, shuffle=True, seed=0, batch_size=None, drop_last=False):
+    def __init__(self, dataset_size, rank=0, world_size=1, shuffle=True, seed=0, batch_size=None, drop_last=False,
+                 group=1, repeats=1):
         self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, shuffle, seed
-        self.batch_size = batch_size or world_size  # global batch: a multiple of world_size
+        self.dataset_size, self.group, self.repeats = dataset_size, group, repeats
+        self.batch_size = batch_size or world_size * group  # global batch: a multiple of world_size * group
         self.size = dataset_size // self.batch_size * self.batch_size if drop_last else dataset_size
         self.epoch, self.start_step = 0, 0
 
@@ -31,28 +37,39 @@ class DistributedShuffleSampler(Sampler):
         self.epoch, self.start_step = epoch, start_step
 
     def permutation(self):
-        """The epoch's global order of sample indices, identical on every rank."""
+        """The epoch's global order of sample ids, identical on every rank."""
         if not self.shuffle:
             return torch.arange(self.size)
         # A hash, not seed + epoch: seed 1 is then not seed 0 shifted by one epoch.
         generator = torch.Generator().manual_seed(seed_hash(self.seed, self.epoch))
-        return torch.randperm(self.size, generator=generator)  # drop_last: a prefix of the full permutation
+        order = torch.randperm(self.dataset_size, generator=generator)
+        if self.repeats > 1:
+            copies = torch.arange(self.repeats).repeat(self.dataset_size)
+            order = order.repeat_interleave(self.repeats) + copies * self.dataset_size
+        return order[: self.size]  # drop_last: a different remainder is left out each epoch
 
     def __iter__(self):
-        share = self.permutation()[self.rank :: self.world_size]
+        share = self.share(self.permutation(), self.rank)
         return iter(share[self.start_step * self.batch_size // self.world_size :].tolist())
+
+    def share(self, order, rank):
+        """rank's part of a global order: its groups, in order."""
+        groups = torch.arange(math.ceil(len(order) / self.group))[rank :: self.world_size]
+        positions = (groups[:, None] * self.group + torch.arange(self.group)).flatten()
+        return order[positions[positions < len(order)]]
 
     def __len__(self):
         return max(0, self.share_size(self.rank) - self.start_step * self.batch_size // self.world_size)
 
     def share_size(self, rank):
         """Samples in rank's share of an epoch."""
-        return max(0, math.ceil((self.size - rank) / self.world_size))
+        return len(self.share(torch.arange(self.size), rank))
 
     def steps(self):
         """(most, fewest) steps a rank takes per epoch: ranks differ by at most one step (never with drop_last)."""
         rank_batch = self.batch_size // self.world_size
-        return math.ceil(self.share_size(0) / rank_batch), math.ceil(self.share_size(self.world_size - 1) / rank_batch)
+        counts = [math.ceil(self.share_size(rank) / rank_batch) for rank in range(self.world_size)]
+        return max(counts), min(counts)
 
     def step_samples(self, step):
         """Samples in global step `step` over all ranks: the batch size, or fewer in the last, partial step."""
@@ -64,7 +81,8 @@ class SeededSamples(Dataset):
     (seed, e, i) alone.
 
     A sample is then augmented the same way whichever rank or DataLoader worker loads it, at any world size or
-    number of workers, and a run resumed mid-epoch can redo any step exactly. The caller's generator state is
+    number of workers, and a run resumed mid-epoch can redo any step exactly. An id i >= len(dataset) is copy
+    i // len(dataset) of sample i % len(dataset) (repeated augmentation): the same image, augmented afresh. The caller's generator state is
     restored afterwards, so with no workers the main process's stream (dropout, ...) is left as it was.
     """
 
@@ -81,7 +99,7 @@ class SeededSamples(Dataset):
         # The CPU generator alone: torch.manual_seed would also reseed every GPU's stream.
         torch.default_generator.manual_seed(sample_seed(self.seed, self.epoch, index))
         try:
-            return self.dataset[index]
+            return self.dataset[index % len(self.dataset)]
         finally:
             torch.set_rng_state(state)
 

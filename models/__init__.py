@@ -1,6 +1,8 @@
 """Networks: build_model() turns the recipe's model section into an nn.Module, load_weights() starts it from a local
 state_dict, check_input_size() tries it once."""
 
+import difflib
+import importlib.util
 from functools import cache
 from pathlib import Path
 
@@ -9,6 +11,7 @@ import torchvision
 from torch import nn
 
 from models.convnet import ConvNet
+from models.resnet_cifar import resnet18_cifar
 from utils.checkpoint import load_checkpoint
 from utils.general import SharedError, UsageError
 
@@ -18,19 +21,50 @@ MAIN_HEAD_ONLY = {"googlenet": {"aux_logits": False, "init_weights": True},
                   "inception_v3": {"aux_logits": False, "init_weights": True}}
 
 
+OURS = {"convnet": "small VGG-style net for low-resolution images", "resnet18_cifar": "ResNet-18 for 32x32 images"}
+
+
 @cache
 def model_names():
-    """Every name model.name accepts: 'convnet' and torchvision's classification models."""
-    return ["convnet", *torchvision.models.list_models(module=torchvision.models)]
+    """Every name model.name accepts besides timm/NAME: ours and torchvision's classification models."""
+    return [*OURS, *torchvision.models.list_models(module=torchvision.models)]
 
 
-def build_model(cfg, num_classes):
-    """A randomly initialised classifier for num_classes classes from the recipe's model section."""
+def check_model_name(name):
+    """None if model.name can be built here, else what is wrong with it (a timm model without timm installed, a
+    name that no library has)."""
+    if name.startswith("timm/"):
+        if importlib.util.find_spec("timm") is None:
+            return "needs timm, which is not installed here (pip install timm)"
+        import timm
+        return None if timm.is_model(name.removeprefix("timm/")) else "timm has no model of that name"
+    if name in model_names():
+        return None
+    match = difflib.get_close_matches(name, model_names(), n=1)
+    return (f"no such model; give convnet, resnet18_cifar, a torchvision classification model or timm/NAME"
+            f"{f' (closest: {match[0]!r})' if match else ''}")
+
+
+def build_model(cfg, num_classes, img_size=224):
+    """A randomly initialised classifier for num_classes classes from the recipe's model section, built for
+    img_size x img_size images where the architecture fixes its input size (vit_*, maxvit_t)."""
     if cfg.name == "convnet":
         return ConvNet(num_classes, width=cfg.width, depth=cfg.depth, dropout=cfg.dropout, norm=cfg.norm)
-    # weights=None: nothing is downloaded; these machines may have no internet
-    return torchvision.models.get_model(cfg.name, weights=None, num_classes=num_classes,
-                                        **MAIN_HEAD_ONLY.get(cfg.name, {}))
+    if cfg.name == "resnet18_cifar":
+        return resnet18_cifar(num_classes)
+    if cfg.name.startswith("timm/"):
+        import timm  # optional; check_model_name said whether it is installed
+        return timm.create_model(cfg.name.removeprefix("timm/"), pretrained=False, num_classes=num_classes,
+                                 **({"img_size": img_size} if cfg.name.startswith("timm/vit") else {}))
+    size = {"image_size": img_size} if cfg.name.startswith("vit_") else \
+        {"input_size": (img_size, img_size)} if cfg.name.startswith("maxvit") else {}
+    try:  # weights=None: nothing is downloaded; these machines may have no internet
+        return torchvision.models.get_model(cfg.name, weights=None, num_classes=num_classes, **size,
+                                            **MAIN_HEAD_ONLY.get(cfg.name, {}))
+    except (AssertionError, ValueError) as e:  # built for a size it cannot take (vit_*, maxvit_t)
+        reason = str(e).strip().splitlines()[0]
+        raise UsageError(f"model.name={cfg.name!r} cannot be built for {img_size}x{img_size} images "
+                         f"(data.img_size={img_size}): {reason}; choose another data.img_size or model.name") from None
 
 
 def read_weights(path):
@@ -81,7 +115,7 @@ def head_keys(model, num_classes):
 
 def model_from_checkpoint(ckpt, cfg, source):
     """The network a checkpoint holds (built from its recipe cfg, with its weights) in eval mode."""
-    model = build_model(cfg.model, len(ckpt["classes"]))
+    model = build_model(cfg.model, len(ckpt["classes"]), cfg.data.img_size)
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
@@ -91,7 +125,7 @@ def model_from_checkpoint(ckpt, cfg, source):
 
 
 @torch.no_grad()
-def check_input_size(model, name, img_size, device):
+def check_input_size(model, name, img_size, device, key="data.img_size"):
     """Run one blank image through model, so a network too deep for img_size, or built for one fixed size (vit_*),
     fails here with the recipe keys named instead of mid-run with a traceback."""
     was_training = model.training
@@ -102,7 +136,7 @@ def check_input_size(model, name, img_size, device):
         raise
     except (RuntimeError, AssertionError, ValueError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"model.name={name!r} cannot take {img_size}x{img_size} images (data.img_size={img_size}): "
-                         f"{reason}; choose another data.img_size or model.name") from None
+        raise UsageError(f"model.name={name!r} cannot take {img_size}x{img_size} images ({key}={img_size}): "
+                         f"{reason}; choose another {key} or model.name") from None
     finally:
         model.train(was_training)

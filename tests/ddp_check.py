@@ -1,9 +1,11 @@
-"""Run under torchrun by test_distributed.py: train on uneven shares, then report what every rank holds.
+"""Run under torchrun by test_distributed.py: train on uneven shares, then report what every rank holds; and train
+with the recipe techniques whose result must not depend on the number of processes.
 
-For each case (training images, global batch), rank 1 takes one step fewer per epoch than rank 0, running out
-after its first, second or a later step. Writes JSON to argv[1] (rank 0): per case and rank the flat weights,
+For each uneven case (training images, global batch), rank 1 takes one step fewer per epoch than rank 0, running
+out after its first, second or a later step. Writes JSON to argv[1] (rank 0): per case and rank the flat weights,
 optimizer momentum, learning rate and GradScaler state after training, and the validation totals next to a
-single-process reference computed on rank 0.
+single-process reference computed on rank 0. Per technique case, rank 0's weights and how many times DDP's
+communication hook ran, which test_distributed.py compares with a single-process run of the same case.
 """
 
 import json
@@ -12,11 +14,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.datasets import build_dataloader, set_epoch  # noqa: E402
+from data.mix import batch_mixer  # noqa: E402
 from data.transforms import normalizer  # noqa: E402
 from models import build_model  # noqa: E402
 from train import TrainState, keep_ranks_in_step, train_one_epoch  # noqa: E402
@@ -28,6 +32,10 @@ from utils.torch_utils import (RANK, WORLD_SIZE, cleanup_distributed, de_paralle
                                setup_distributed, smart_DDP)
 
 CASES = [(3, 2), (9, 4), (21, 4)]  # rank 1 runs out after step 1, 2 and 5 of 2, 3 and 6
+# Recipe overrides whose training must give the same weights at 1 and 2 processes (20 images, global batch 8).
+TECHNIQUES = {"accumulate": ["train.accumulate=2"],
+              "mix_and_repeats": ["data.mixup_alpha=0.4", "data.cutmix_alpha=1.0", "data.repeats=2"],
+              "plain": []}
 
 
 def images(n, seed):
@@ -53,7 +61,7 @@ def run_case(n_train, n_val, batch, epochs, device):
     with StopVote(device) as vote:
         for epoch in range(epochs):
             set_epoch(train_loader, epoch)
-            train_one_epoch(state, train_loader, normalize, criterion, None, cfg, epoch, vote, None)
+            train_one_epoch(state, train_loader, normalize, None, criterion, None, cfg, epoch, vote, None)
             keep_ranks_in_step(state, train_loader, epoch)
             state.step = 0
     metrics = scalars(evaluate(model, val_loader, normalize, 3, device))
@@ -77,10 +85,41 @@ def scalars(metrics):
             "class_counts": metrics["class_counts"].tolist()}
 
 
+def run_technique(overrides, device=torch.device("cpu"), epochs=2):
+    """Train a BatchNorm-free convnet (its result cannot depend on the split of the batch) with overrides; return
+    the flat weights and the number of gradient all-reduces (DDP comm hook calls) and optimizer steps."""
+    init_seeds(0)
+    cfg = load_recipe("cls.yaml", [f"train.epochs={epochs}", "model.width=4", "model.depth=2", "model.norm=none",
+                                   "train.batch_size=8", *overrides])
+    train_loader = build_dataloader(images(20, 2), 8, True, 0, 0, device, pairs=bool(batch_mixer(cfg.data, 3, 0)),
+                                    repeats=cfg.data.repeats)
+    model = build_model(cfg.model, 3)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.sched, epochs, train_loader.sampler.steps()[0])
+    state = TrainState(model, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False))
+    all_reduces = [0]
+    if WORLD_SIZE > 1:
+        state.model = smart_DDP(model, device)
+
+        def counting_hook(_, bucket):
+            all_reduces[0] += 1
+            return default_hooks.allreduce_hook(None, bucket)
+        state.model.register_comm_hook(None, counting_hook)
+    with StopVote(device) as vote:
+        for epoch in range(epochs):
+            set_epoch(train_loader, epoch)
+            train_one_epoch(state, train_loader, normalizer(cfg.data, device), batch_mixer(cfg.data, 3, 0),
+                            torch.nn.CrossEntropyLoss(reduction="sum"), None, cfg, epoch, vote, None)
+            state.step = 0
+    return {"weights": torch.cat([t.flatten() for t in model.state_dict().values()]).double().tolist(),
+            "all_reduces": all_reduces[0], "steps": scheduler.last_epoch}
+
+
 def main(out, n_val, epochs):
     device = torch.device("cpu")
     setup_distributed()
-    results = [run_case(n_train, n_val, batch, epochs, device) for n_train, batch in CASES]
+    results = {"uneven": [run_case(n_train, n_val, batch, epochs, device) for n_train, batch in CASES],
+               "techniques": {name: run_technique(overrides, device) for name, overrides in TECHNIQUES.items()}}
     if RANK == 0:
         Path(out).write_text(json.dumps(results))
     cleanup_distributed()

@@ -3,9 +3,10 @@
 import json
 
 import pytest
+import torch
 
 from conftest import run_torchrun
-from ddp_check import CASES
+from ddp_check import CASES, TECHNIQUES, run_technique
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +21,7 @@ def uneven_report(tmp_path_factory):
 def test_uneven_shares_keep_ranks_identical_and_validation_exact(uneven_report, case):
     # Rank 0 holds one sample more than rank 1, which runs out one step earlier: after its 1st, 2nd or 5th step.
     n_train, batch = CASES[case]
-    rank0, rank1 = uneven_report[case]["ranks"]
+    rank0, rank1 = uneven_report["uneven"][case]["ranks"]
     assert sorted(rank0["train_share"] + rank1["train_share"]) == list(range(n_train))
     most, fewest = rank0["steps"]
     assert most == fewest + 1 and fewest == [1, 2, 5][case]
@@ -30,9 +31,28 @@ def test_uneven_shares_keep_ranks_identical_and_validation_exact(uneven_report, 
     assert rank0["scaler"] == rank1["scaler"] and rank0["scaler"]["scale"] > 65536  # and the loss scale
     for metrics in (rank0["metrics"], rank1["metrics"]):
         assert metrics["val/samples"] == 7  # each val sample counted exactly once, none padded
-        assert abs(metrics["val/top1"] - uneven_report[case]["reference"]["val/top1"]) < 1e-12
-        assert abs(metrics["val/loss"] - uneven_report[case]["reference"]["val/loss"]) < 1e-6
+        assert abs(metrics["val/top1"] - uneven_report["uneven"][case]["reference"]["val/top1"]) < 1e-12
+        assert abs(metrics["val/loss"] - uneven_report["uneven"][case]["reference"]["val/loss"]) < 1e-6
         # The reference's counts are those of both ranks evaluating the whole set: twice the true ones.
-        assert [[2 * n for n in row] for row in metrics["confusion"]] == uneven_report[case]["reference"]["confusion"]
+        assert [[2 * n for n in row] for row in metrics["confusion"]] == uneven_report["uneven"][case]["reference"]["confusion"]
         assert [[2 * n for n in row] for row in metrics["class_counts"]] == \
-            uneven_report[case]["reference"]["class_counts"]
+            uneven_report["uneven"][case]["reference"]["class_counts"]
+
+
+def test_accumulation_all_reduces_once_per_step_and_matches_larger_micro_batches(uneven_report):
+    two_processes = uneven_report["techniques"]["accumulate"]
+    assert two_processes["steps"] == 2 * 3  # 20 images in global batches of 8: 3 steps per epoch
+    # One all-reduce (one bucket, this small model) per optimizer step, not per micro-batch: no_sync() held.
+    assert two_processes["all_reduces"] == two_processes["steps"]
+    assert uneven_report["techniques"]["plain"]["all_reduces"] == two_processes["steps"]
+    # 2 processes x 2 micro-batches of 2 take the same steps as 1 process with whole batches of 8.
+    one_process = run_technique([])
+    assert torch.allclose(torch.tensor(two_processes["weights"]), torch.tensor(one_process["weights"]), atol=1e-6)
+
+
+def test_mixup_cutmix_and_repeats_give_the_same_run_at_one_and_two_processes(uneven_report):
+    two_processes = torch.tensor(uneven_report["techniques"]["mix_and_repeats"]["weights"])
+    one_process = run_technique(TECHNIQUES["mix_and_repeats"])
+    assert torch.allclose(two_processes, torch.tensor(one_process["weights"]), atol=1e-6)
+    unmixed = torch.tensor(run_technique([])["weights"])
+    assert (two_processes - unmixed).abs().max() > 1e-3  # the mixing took effect

@@ -1,11 +1,16 @@
-"""Models by name: the small convnet and torchvision's classifiers."""
+"""Models by name: ours (convnet, resnet18_cifar), torchvision's classifiers and timm's when it is installed."""
+
+import importlib.machinery
+import importlib.util
+import sys
+import types
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from models import build_model, check_input_size, load_weights, model_names, read_weights
-from utils.config import ModelConfig
+from utils.config import ModelConfig, RecipeError, load_recipe
 from utils.general import UsageError
 
 
@@ -90,3 +95,47 @@ def test_weights_that_do_not_fit_or_do_not_exist_are_named(tmp_path):
         load_weights(resnet, read_weights(tmp_path / "convnet.pt"), 3, "r")
     with pytest.raises(UsageError, match=r"model.weights='.*nope.pth': no such file; .*nothing is downloaded"):
         read_weights(str(tmp_path / "nope.pth"))
+
+
+def test_vit_and_maxvit_are_built_at_the_recipe_image_size():
+    model = build_model(OmegaConf.structured(ModelConfig(name="vit_b_32")), 7, img_size=64)
+    assert model(torch.randn(1, 3, 64, 64)).shape == (1, 7)
+    with pytest.raises(UsageError, match=r"data.val_img_size=96"):  # built for 64: another size is named
+        check_input_size(model, "vit_b_32", 96, torch.device("cpu"), key="data.val_img_size")
+
+
+def test_resnet18_cifar_by_name():
+    model = build(name="resnet18_cifar")
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 7) and isinstance(model.maxpool, torch.nn.Identity)
+
+
+@pytest.fixture
+def fake_timm(monkeypatch):
+    """A stand-in for the optional timm package: one model, 'tiny', recording how it was asked for."""
+    timm = types.ModuleType("timm")
+    timm.__spec__ = importlib.machinery.ModuleSpec("timm", None)
+    timm.calls = []
+    timm.is_model = lambda name: name == "tiny"
+
+    def create_model(name, pretrained, num_classes, **kw):
+        timm.calls.append((name, pretrained, num_classes))
+        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.LazyLinear(num_classes))
+    timm.create_model = create_model
+    monkeypatch.setitem(sys.modules, "timm", timm)
+    return timm
+
+
+def test_timm_models_by_name_when_timm_is_installed(fake_timm):
+    assert load_recipe("cls.yaml", ["model.name=timm/tiny"]).model.name == "timm/tiny"
+    assert build(name="timm/tiny")(torch.randn(2, 3, 8, 8)).shape == (2, 7)
+    assert fake_timm.calls == [("tiny", False, 7)]  # never pretrained: nothing is downloaded
+    with pytest.raises(RecipeError, match=r"model.name='timm/tinny': timm has no model of that name"):
+        load_recipe("cls.yaml", ["model.name=timm/tinny"])
+
+
+def test_timm_model_without_timm_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "timm", None)  # as if not installed
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RecipeError, match=r"model.name='timm/resnet50': needs timm, which is not installed here "
+                                          r"\(pip install timm\)"):
+        load_recipe("cls.yaml", ["model.name=timm/resnet50"])

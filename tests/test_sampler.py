@@ -13,9 +13,9 @@ import utils.config
 from utils.config import DataConfig, RecipeError, load_recipe
 
 
-def shares(n, world, epoch=0, seed=0, shuffle=True, batch_size=None, drop_last=False):
+def shares(n, world, epoch=0, seed=0, shuffle=True, batch_size=None, drop_last=False, group=1, repeats=1):
     samplers = [DistributedShuffleSampler(n, rank, world, shuffle=shuffle, seed=seed, batch_size=batch_size,
-                                          drop_last=drop_last) for rank in range(world)]
+                                          drop_last=drop_last, group=group, repeats=repeats) for rank in range(world)]
     for s in samplers:
         s.set_epoch(epoch)
     return [list(s) for s in samplers]
@@ -52,10 +52,10 @@ def test_no_shuffle_keeps_dataset_order():
     assert shares(5, 2, shuffle=False) == [[0, 2, 4], [1, 3]]
 
 
-def global_batches(n, world, global_batch, epoch=0, drop_last=False):
+def global_batches(n, world, global_batch, epoch=0, drop_last=False, group=1, repeats=1):
     """The set of samples in each optimizer step, united over ranks, with per-rank batch global_batch / world."""
     b = global_batch // world
-    parts = shares(n, world, epoch=epoch, batch_size=global_batch, drop_last=drop_last)
+    parts = shares(n, world, epoch=epoch, batch_size=global_batch, drop_last=drop_last, group=group, repeats=repeats)
     steps = max(-(-len(p) // b) for p in parts)
     return [sorted(i for p in parts for i in p[step * b:(step + 1) * b]) for step in range(steps)]
 
@@ -93,6 +93,40 @@ def test_drop_last_gives_every_rank_the_same_full_steps_at_any_world_size():
         assert global_batches(21, world, 4, drop_last=True) == reference
         assert steps(21, world, 4, drop_last=True) == (5, 5)
     assert sorted(i for batch in reference for i in batch) != list(range(21))  # one image left out this epoch
+
+
+def test_drop_last_leaves_out_a_different_remainder_each_epoch():
+    left_out = [set(range(21)) - {i for batch in global_batches(21, 2, 4, epoch, drop_last=True) for i in batch}
+                for epoch in range(12)]
+    assert all(len(s) == 1 for s in left_out)
+    assert len(set.union(*left_out)) > 5  # not always the dataset's last image
+
+
+@pytest.mark.parametrize("n", [40, 41, 45])
+def test_pairs_stay_on_one_rank_and_global_batches_do_not_change(n):
+    reference = global_batches(n, 1, 8, epoch=1)
+    order = DistributedShuffleSampler(n, group=2)
+    order.set_epoch(1)
+    pairs = order.permutation().view(-1, 2).tolist() if n % 2 == 0 else order.permutation()[:-1].view(-1, 2).tolist()
+    for world in (2, 4):
+        assert global_batches(n, world, 8, epoch=1, group=2) == reference
+        for part in shares(n, world, epoch=1, batch_size=8, group=2):
+            assert all(part[i:i + 2] in pairs for i in range(0, len(part) - 1, 2))  # consecutive = one pair
+        parts = shares(n, world, epoch=1, batch_size=8, group=2)
+        assert sorted(i for p in parts for i in p) == list(range(n))
+        most, fewest = DistributedShuffleSampler(n, 0, world, batch_size=8, group=2).steps()
+        assert (most, fewest) == (max(-(-len(p) // (8 // world)) for p in parts),
+                                  min(-(-len(p) // (8 // world)) for p in parts))
+
+
+def test_repeats_show_each_sample_several_times_in_a_row_in_an_epoch_of_the_same_length():
+    reference = shares(30, 1, epoch=2, repeats=3)[0]
+    assert len(reference) == 30
+    assert [i % 30 for i in reference[0:3]] == [reference[0]] * 3 and len(set(reference[0:3])) == 3  # 3 copies
+    assert all(len({i % 30 for i in reference[k:k + 3]}) == 1 for k in range(0, 30, 3))
+    assert len({i % 30 for i in reference}) == 10  # an epoch of 30 shows 10 images 3 times
+    for world in (2, 3):
+        assert global_batches(30, world, 6, epoch=2, repeats=3) == global_batches(30, 1, 6, epoch=2, repeats=3)
 
 
 def test_start_step_skips_exactly_the_steps_done():

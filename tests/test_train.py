@@ -1,12 +1,14 @@
 """train.py end to end: real runs on digits and tiny folders, their outputs, and failures before any work."""
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
-from conftest import read_results, run_python, run_torchrun
+import train
+from conftest import read_results, run_torchrun
 from data.datasets import build_dataloader, build_datasets, dataset_root
 from data.transforms import normalizer, val_transforms
 from models import build_model
@@ -108,27 +110,32 @@ def test_results_png_is_drawn(digits_run):
         assert image.format == "PNG" and image.size == (1300, 360)
 
 
-def test_single_process_on_user_folder_with_few_classes_from_10_class_weights(image_folder, tmp_path):
+def test_single_process_on_user_folder_with_few_classes_from_10_class_weights(image_folder, tmp_path, log):
     root = image_folder({"train": {"ant": 6, "bee": 5, "cat": 5}, "test": {"ant": 2, "bee": 3, "cat": 2}})
     torch.save(build_model(OmegaConf.structured(ModelConfig(name="convnet", width=4)), 10).state_dict(),
                tmp_path / "digits.pt")
-    result = run_python("train.py", "--recipe", "cls.yaml", f"data.name={root}", "train.epochs=2",
-                        "train.batch_size=4", "model.width=4", f"project={tmp_path / 'runs'}", "name=tiny",
-                        f"model.weights={tmp_path / 'digits.pt'}")
-    assert result.returncode == 0, result.stderr[-3000:]
+    train.main(["--recipe", "cls.yaml", f"data.name={root}", "train.epochs=2", "train.batch_size=4",
+                "model.width=4", f"project={tmp_path / 'runs'}", "name=tiny", f"model.weights={tmp_path / 'digits.pt'}"])
     assert (f"weights from {tmp_path / 'digits.pt'}; head.3.weight, head.3.bias initialised afresh for 3 classes"
-            in result.stdout)
+            in log.text)
     header, rows = read_results(tmp_path / "runs" / "tiny")
     assert len(rows) == 2 and all(r["val/top5"] == "" for r in rows)  # top-5 needs 5 classes
-    assert "1 process(es)" in result.stdout and "16 train / 7 val images, 3 classes" in result.stdout
+    assert "1 process(es)" in log.text and "16 train / 7 val images, 3 classes" in log.text
     assert load_checkpoint(tmp_path / "runs" / "tiny" / "weights" / "last.pt")["classes"] == ["ant", "bee", "cat"]
 
 
-def test_unknown_key_exits_before_any_work(tmp_path):
-    result = run_python("train.py", "--recipe", "cls.yaml", "optim.lrr=0.1", f"project={tmp_path / 'runs'}")
-    assert result.returncode == 2
-    assert "unknown key 'optim.lrr' (did you mean 'optim.lr'?)" in result.stderr
-    assert "Traceback" not in result.stderr
+def fails(argv, capsys):
+    """train.py's one-line error for argv, after checking it exits with code 2 and no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(argv)
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in error
+    return error
+
+
+def test_unknown_key_exits_before_any_work(tmp_path, capsys):
+    error = fails(["--recipe", "cls.yaml", "optim.lrr=0.1", f"project={tmp_path / 'runs'}"], capsys)
+    assert "unknown key 'optim.lrr' (did you mean 'optim.lr'?)" in error
     assert not (tmp_path / "runs").exists()
 
 
@@ -139,54 +146,65 @@ def test_unknown_key_under_torchrun_fails_on_every_rank_and_says_it_once(tmp_pat
     assert not (tmp_path / "runs").exists()
 
 
-def test_missing_dataset_exits_with_a_clear_error(tmp_path):
-    result = run_python("train.py", "--recipe", "cls.yaml", f"data.name={tmp_path / 'nope'}",
-                        f"project={tmp_path / 'runs'}")
-    assert result.returncode == 2
-    assert "is neither an embedded dataset (digits) nor a directory" in result.stderr
+def test_missing_dataset_exits_with_a_clear_error(tmp_path, capsys):
+    error = fails(["--recipe", "cls.yaml", f"data.name={tmp_path / 'nope'}", f"project={tmp_path / 'runs'}"], capsys)
+    assert "is neither a dataset here (digits, cifar10, cifar100) nor a directory" in error
 
 
-def test_model_that_cannot_take_the_image_size_fails_before_the_run_dir(tmp_path):
-    result = run_python("train.py", "--recipe", "cls.yaml", "model.name=vit_b_32", f"project={tmp_path / 'runs'}")
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "model.name='vit_b_32' cannot take 8x8 images (data.img_size=8)" in result.stderr
+def test_model_that_cannot_take_the_image_size_fails_before_the_run_dir(tmp_path, capsys):
+    error = fails(["--recipe", "cls.yaml", "model.name=squeezenet1_1", f"project={tmp_path / 'runs'}"], capsys)
+    assert "model.name='squeezenet1_1' cannot take 8x8 images (data.img_size=8): Given input size" in error
+    error = fails(["--recipe", "cls.yaml", "model.name=vit_b_32", f"project={tmp_path / 'runs'}"], capsys)
+    assert "model.name='vit_b_32' cannot be built for 8x8 images (data.img_size=8): Input shape indivisible" in error
     assert not (tmp_path / "runs").exists()
 
 
-def test_unusable_project_dir_is_a_clear_error(tmp_path):
+def test_unusable_project_dir_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "file").write_text("not a directory")
-    result = run_python("train.py", "--recipe", "cls.yaml", "train.epochs=1", f"project={tmp_path / 'file' / 'runs'}")
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "cannot create the run directory" in result.stderr and "file/runs" in result.stderr
+    error = fails(["--recipe", "cls.yaml", "train.epochs=1", f"project={tmp_path / 'file' / 'runs'}"], capsys)
+    assert "cannot create the run directory" in error and "file/runs" in error
 
 
 def test_single_process_reaches_the_same_accuracy_on_digits(tmp_path):
-    result = run_python("train.py", "--recipe", "cls.yaml", f"project={tmp_path}")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert train.main(["--recipe", "cls.yaml", f"project={tmp_path}"]) >= 0.99
     _, rows = read_results(tmp_path / "exp")
-    assert float(rows[-1]["val/top1"]) >= 0.99
+    assert max(float(r["val/top1"]) for r in rows) >= 0.99
+
+
+def test_channels_last_and_compile_train_to_the_same_accuracy(tmp_path, monkeypatch):
+    models, compiled = [], []
+    monkeypatch.setattr(train, "check_input_size", lambda model, *args, **kw: models.append(model))
+    compile = torch.compile  # TorchDynamo traces the model as it would on a GPU; the eager backend skips minutes
+    monkeypatch.setattr(torch, "compile", lambda model: compiled.append(model) or compile(model, backend="eager"))
+    plain = train.main(["train.epochs=2", f"project={tmp_path}", "name=plain"])
+    fast = train.main(["train.epochs=2", f"project={tmp_path}", "name=fast", "train.channels_last=true",
+                       "train.compile=true"])
+    first_conv = [m.features[0][0].weight for m in models]
+    assert not first_conv[0].is_contiguous(memory_format=torch.channels_last)
+    assert first_conv[1].is_contiguous(memory_format=torch.channels_last) and len(compiled) == 1
+    assert plain > 0.9 and abs(fast - plain) < 0.015
+    saved = [load_checkpoint(tmp_path / name / "weights" / "last.pt") for name in ("plain", "fast")]
+    assert list(saved[1]["model"]) == list(saved[0]["model"])  # no '_orig_mod.' in a compiled run's checkpoint
 
 
 def test_bf16_autocast_trains_on_cpu(image_folder, tmp_path):
     root = image_folder({"train": {"a": 4, "b": 4}, "val": {"a": 2, "b": 2}})
-    result = run_python("train.py", "--recipe", "cls.yaml", f"data.name={root}", "train.epochs=1",
-                        "train.batch_size=4", "model.width=4", "train.precision=bf16", f"project={tmp_path / 'r'}")
-    assert result.returncode == 0, result.stderr[-3000:]
+    train.main(["--recipe", "cls.yaml", f"data.name={root}", "train.epochs=1", "train.batch_size=4", "model.width=4",
+                "train.precision=bf16", f"project={tmp_path / 'r'}"])
     _, rows = read_results(tmp_path / "r" / "exp")
     assert len(rows) == 1 and 0 <= float(rows[0]["val/top1"]) <= 1
     assert load_checkpoint(tmp_path / "r" / "exp" / "weights" / "last.pt")["recipe"]["train"]["precision"] == "bf16"
 
 
-def test_early_stopping_after_patience_epochs_without_a_better_top1(image_folder, tmp_path):
+def test_early_stopping_after_patience_epochs_without_a_better_top1(image_folder, tmp_path, log):
     # Random images with random labels: val top-1 stops improving within a few epochs.
     root = image_folder({"train": {"a": 8, "b": 8}, "val": {"a": 4, "b": 4}}, size=8)
-    result = run_python("train.py", "--recipe", "cls.yaml", f"data.name={root}", "train.epochs=12", "train.patience=2",
-                        "train.batch_size=4", "model.width=4", f"project={tmp_path}")
-    assert result.returncode == 0, result.stderr[-3000:]
+    train.main(["--recipe", "cls.yaml", f"data.name={root}", "train.epochs=12", "train.patience=2",
+                "train.batch_size=4", "model.width=4", f"project={tmp_path}"])
     _, rows = read_results(tmp_path / "exp")
     top1 = [float(r["val/top1"]) for r in rows]
     best_epoch = top1.index(max(top1)) + 1
     assert len(rows) == best_epoch + 2 < 12  # stopped two epochs after the best
     assert (f"Stopping early after epoch {len(rows)}: no better val top-1 in 2 epochs (train.patience); the best, "
-            f"{max(top1):.2%}, was at epoch {best_epoch}") in result.stdout
+            f"{max(top1):.2%}, was at epoch {best_epoch}") in log.text
     assert load_checkpoint(tmp_path / "exp" / "weights" / "best.pt")["epoch"] == best_epoch

@@ -12,13 +12,14 @@ from utils.general import ROOT, WORLD_SIZE, SharedError
 
 RECIPES_DIR = ROOT / "recipes"
 SCHEDULES = ("cosine", "step", "multistep", "constant")  # sched.name: the lr's shape after warmup
+AUTO_AUGMENTS = ("", "autoaugment", "autoaugment_cifar10", "randaugment", "trivialaugment", "augmix")
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
 
 
 @dataclass
 class ModelConfig:
-    name: str = "resnet18"  # 'convnet' (small VGG-style net for low-resolution images) or a torchvision.models name
+    name: str = "resnet18"  # convnet (small VGG-style net), resnet18_cifar, a torchvision.models name or timm/NAME
     width: int = 32  # convnet: channels of the first stage, doubled at each following stage
     depth: int = 3  # convnet: number of stages (two 3x3 convs each); a 2x max-pool sits between stages
     dropout: float = 0.0  # convnet: dropout before the classifier
@@ -33,7 +34,17 @@ class DataConfig:
     img_size: int = 224  # side of the square images the model sees, in pixels
     scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # train RandomResizedCrop area range
     hflip: float = 0.5  # train horizontal flip probability (0 for digits and text)
-    crop_pct: float = 0.875  # val: resize to img_size / crop_pct, then centre-crop img_size
+    crop_padding: int = 0  # train: > 0 crops img_size from the image padded by this many pixels (CIFAR), not scale
+    auto_augment: str = ""  # '', autoaugment, autoaugment_cifar10, randaugment, trivialaugment or augmix (per image)
+    ra_magnitude: int = 9  # randaugment: the magnitude of its operations (0-30)
+    augmix_severity: int = 3  # augmix: the severity of its operations (1-10)
+    random_erase: float = 0.0  # train: probability of erasing a random rectangle of each image (filled with the mean)
+    mixup_alpha: float = 0.0  # MixUp of pairs in each batch, lambda ~ Beta(alpha, alpha); 0: off
+    cutmix_alpha: float = 0.0  # CutMix of pairs in each batch, lambda ~ Beta(alpha, alpha); 0: off
+    mix_switch_prob: float = 0.5  # with both MixUp and CutMix on: the share of batches that use CutMix
+    repeats: int = 1  # repeated augmentation: each image this many times in a row, augmented afresh; epochs keep length
+    val_img_size: int = 0  # side of validation's (and inference's) centre crop; 0: data.img_size
+    crop_pct: float = 0.875  # val: resize to val_img_size / crop_pct, then centre-crop val_img_size
     mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))  # per-channel normalisation mean (RGB)
     std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))  # per-channel normalisation std (RGB)
     workers: int = 4  # DataLoader workers per process; lowered (with a warning) so workers + threads fit the cores
@@ -45,6 +56,9 @@ class DataConfig:
 class TrainConfig:
     epochs: int = 10  # passes over the training set
     batch_size: int = 64  # global batch over all processes; each process takes batch_size / WORLD_SIZE
+    accumulate: int = 1  # split each process's batch into this many micro-batches, one optimizer step and all-reduce
+    channels_last: bool = False  # NHWC memory format for the model and training batches (faster convs on GPUs, CPUs)
+    compile: bool = False  # torch.compile the training model (pays off on long runs; the first steps compile)
     label_smoothing: float = 0.0  # cross-entropy label smoothing
     precision: str = "fp32"  # fp32, bf16 (autocast: GPUs, CPUs with AMX or AVX512-BF16) or fp16 (autocast + GradScaler; CUDA)
     deterministic: bool = True  # ask torch for deterministic kernels (reproducible runs; may be slower on GPU)
@@ -221,15 +235,16 @@ def checked(cfg, source):
 
 def check_values(cfg, source):
     """Reject values the schema types allow but training can't use, naming the key and the source."""
-    from models import model_names  # here, not at import: models imports torchvision
+    from models import check_model_name  # here, not at import: models imports torchvision
 
     def require(ok, key, expected):
         if not ok:
             value = OmegaConf.select(cfg, key)
             raise RecipeError(f"{source}: {key} must be {expected}, got {value!r}")
 
-    require(cfg.model.name in model_names(), "model.name",
-            f"'convnet' or a torchvision classification model{close_to(cfg.model.name, model_names())}")
+    problem = check_model_name(cfg.model.name)
+    if problem:
+        raise RecipeError(f"{source}: model.name={cfg.model.name!r}: {problem}")
     require(cfg.model.width >= 1 and cfg.model.depth >= 1, "model.width", "positive (and so must model.depth)")
     require(0 <= cfg.model.dropout < 1, "model.dropout", "in [0, 1)")
     require(cfg.model.norm in ("batch", "group", "none"), "model.norm", "batch, group or none")
@@ -240,6 +255,20 @@ def check_values(cfg, source):
     require(len(cfg.data.scale) == 2 and 0 < cfg.data.scale[0] <= cfg.data.scale[1] <= 1, "data.scale",
             "[min, max] with 0 < min <= max <= 1")
     require(0 <= cfg.data.hflip <= 1, "data.hflip", "a probability in [0, 1]")
+    require(cfg.data.crop_padding >= 0, "data.crop_padding", ">= 0 (0 uses RandomResizedCrop over data.scale)")
+    require(cfg.data.auto_augment in AUTO_AUGMENTS, "data.auto_augment", f"one of {', '.join(map(repr, AUTO_AUGMENTS))}")
+    require(0 <= cfg.data.ra_magnitude <= 30, "data.ra_magnitude", "in [0, 30]")
+    require(1 <= cfg.data.augmix_severity <= 10, "data.augmix_severity", "in [1, 10]")
+    require(0 <= cfg.data.random_erase <= 1, "data.random_erase", "a probability in [0, 1]")
+    require(cfg.data.mixup_alpha >= 0, "data.mixup_alpha", ">= 0 (0 turns MixUp off)")
+    require(cfg.data.cutmix_alpha >= 0, "data.cutmix_alpha", ">= 0 (0 turns CutMix off)")
+    require(0 <= cfg.data.mix_switch_prob <= 1, "data.mix_switch_prob", "a probability in [0, 1]")
+    mixing = cfg.data.mixup_alpha > 0 or cfg.data.cutmix_alpha > 0
+    require(not mixing or cfg.train.batch_size // WORLD_SIZE % 2 == 0, "train.batch_size",
+            f"an even number per process with MixUp or CutMix (they mix pairs of images on one process), that is a "
+            f"multiple of {2 * WORLD_SIZE} on {WORLD_SIZE} process(es)")
+    require(cfg.data.repeats >= 1, "data.repeats", ">= 1 (1: no repeated augmentation)")
+    require(cfg.data.val_img_size >= 0, "data.val_img_size", ">= 0 (0: data.img_size)")
     require(0 < cfg.data.crop_pct <= 1, "data.crop_pct", "in (0, 1]")
     require(len(cfg.data.mean) == 3, "data.mean", "three values (R, G, B)")
     require(len(cfg.data.std) == 3 and all(s > 0 for s in cfg.data.std), "data.std", "three positive values")
@@ -248,6 +277,9 @@ def check_values(cfg, source):
     require(cfg.train.batch_size >= 1, "train.batch_size", ">= 1")
     require(cfg.train.batch_size % WORLD_SIZE == 0, "train.batch_size",
             f"a multiple of the {WORLD_SIZE} processes (the global batch is split evenly between them)")
+    require(cfg.train.accumulate >= 1, "train.accumulate", ">= 1 (1: no gradient accumulation)")
+    require(cfg.train.batch_size // WORLD_SIZE >= cfg.train.accumulate, "train.accumulate",
+            f"at most the per-process batch ({cfg.train.batch_size // WORLD_SIZE}), so no micro-batch is empty")
     require(0 <= cfg.train.label_smoothing < 1, "train.label_smoothing", "in [0, 1)")
     require(cfg.train.save_every_steps >= 0, "train.save_every_steps", ">= 0 (0 saves at epoch ends only)")
     require(0 <= cfg.train.ema_decay < 1, "train.ema_decay", "in [0, 1) (0 turns EMA off)")
@@ -270,12 +302,6 @@ def check_values(cfg, source):
     require(cfg.device in ("auto", "cpu", "cuda"), "device", "auto, cpu or cuda")
     require(0 <= cfg.seed < 2**31, "seed", "in [0, 2**31)")
     require(bool(cfg.name.strip()), "name", "a non-empty run name")
-
-
-def close_to(name, valid):
-    """' (closest: x)' for the closest valid name, else ''."""
-    match = difflib.get_close_matches(name, valid, n=1)
-    return f" (closest: '{match[0]}')" if match else ""
 
 
 def recipe_to_yaml(cfg):

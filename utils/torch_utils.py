@@ -186,14 +186,43 @@ def broadcast_module(module, src=0):
 
 
 def de_parallel(model):
-    """Return the plain module inside a DDP wrapper (or the model itself)."""
+    """Return the plain module inside torch.compile's and DDP's wrappers (or the model itself): its state_dict has
+    no '_orig_mod.' or 'module.' prefixes."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile wraps DDP, not the reverse (see compiled())
     return model.module if isinstance(model, DDP) else model
+
+
+def ddp_of(model):
+    """The DDP wrapper of a (compiled) training model, or None for one process."""
+    model = getattr(model, "_orig_mod", model)
+    return model if isinstance(model, DDP) else None
 
 
 def join_uneven_inputs(model, uneven=True):
     """Context that lets DDP ranks run different numbers of steps (no sample is padded or dropped); with even
     shares it is off and costs nothing."""
-    return model.join(enable=uneven) if isinstance(model, DDP) else nullcontext()
+    ddp = ddp_of(model)
+    return ddp.join(enable=uneven) if ddp is not None else nullcontext()
+
+
+def no_sync(model, skip=True):
+    """Context in which backward() only accumulates gradients on each process (DDP.no_sync): for the micro-batches
+    of a step before its last, whose backward all-reduces the sum once."""
+    ddp = ddp_of(model)
+    return ddp.no_sync() if skip and ddp is not None else nullcontext()
+
+
+def memory_format(channels_last):
+    """train.channels_last: torch.channels_last (NHWC, what GPU tensor cores and oneDNN convolutions prefer), else
+    the default contiguous (NCHW) format."""
+    return torch.channels_last if channels_last else torch.contiguous_format
+
+
+def compiled(model, enabled):
+    """train.compile: torch.compile the training model, DDP wrapper included, so that TorchDynamo's DDPOptimizer
+    splits the graph at DDP's buckets and all-reduces still overlap the backward pass. The plain module is still
+    what is saved, validated and averaged (de_parallel)."""
+    return torch.compile(model) if enabled else model
 
 
 @contextmanager
