@@ -12,6 +12,9 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# The suite tests the CPU (gloo) path, as CI runs it, also on a machine with GPUs: two processes on one GPU are not
+# a launch nccl supports, and device=auto would pick CUDA. Set before torch first looks for a GPU.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def make_image_folder(root, counts, size=12, seed=0):

@@ -3,7 +3,7 @@
 from dataclasses import fields, is_dataclass
 
 from conftest import ROOT
-from utils.config import Recipe
+from utils.config import Recipe, key_table
 
 README = (ROOT / "README.md").read_text()
 
@@ -26,6 +26,8 @@ def test_readme_starts_with_the_two_setup_commands():
 def test_readme_documents_every_recipe_key():
     missing = [key for key in schema_keys(Recipe) if f"| `{key}` |" not in README]
     assert not missing, f"README recipe-key table lacks {missing}"
+    # The table is the schema's: defaults and comments as in utils/config.py (python -m utils.config prints it).
+    assert key_table() in README, "README's recipe-key table differs from `python -m utils.config`"
 
 
 def test_ci_runs_the_readme_test_command():

@@ -1,7 +1,10 @@
 """The recipe schema (every key, its type, default and meaning) and the loader that validates recipes against it."""
 
 import difflib
-from dataclasses import dataclass, field
+import inspect
+import json
+import re
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
 import yaml
@@ -307,3 +310,22 @@ def check_values(cfg, source):
 def recipe_to_yaml(cfg):
     """The resolved recipe as YAML text, as saved with each run."""
     return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def key_table(cls=Recipe, prefix=""):
+    """The README's table of recipe keys, generated from the schema: key, default and the comment beside it
+    (print it with `python -m utils.config`)."""
+    comments = dict(re.findall(r"^    (\w+): [^#\n]*?  # (.*)$", inspect.getsource(cls), re.MULTILINE))
+    rows = [] if prefix else ["| key | default | meaning |", "| --- | --- | --- |"]
+    for f in fields(cls):
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        if is_dataclass(default):
+            rows += key_table(type(default), f"{prefix}{f.name}.")
+        else:
+            shown = json.dumps(default) if isinstance(default, str) else repr(default)
+            rows.append(f"| `{prefix}{f.name}` | {shown} | {comments[f.name]} |")
+    return rows if prefix else "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(key_table())
