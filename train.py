@@ -143,9 +143,9 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
     init_seeds(cfg.seed + RANK, cfg.train.deterministic)  # own dropout stream per rank; DDP copies rank 0's init
     train_set, val_set = train_val_datasets(cfg.data.name, train_transforms(cfg.data), val_transforms(cfg.data),
                                             skip_corrupt=cfg.data.skip_corrupt)
-    check_shareable(train_set, WORLD_SIZE, cfg.train.batch_size, cfg.data.drop_last)
     classes = train_set.classes
     mix = batch_mixer(cfg.data, len(classes), cfg.seed)  # None unless MixUp or CutMix is on
+    check_shareable(train_set, WORLD_SIZE, cfg.train.batch_size, cfg.data.drop_last, pairs=mix is not None)
     train_loader = build_dataloader(train_set, cfg.train.batch_size, True, cfg.seed, workers, device,
                                     cfg.data.drop_last, pairs=mix is not None, repeats=cfg.data.repeats)
     val_loader = build_dataloader(val_set, cfg.train.batch_size, False, cfg.seed, workers, device)
@@ -275,7 +275,8 @@ def train_one_epoch(state, loader, normalize, mix, criterion, dtype, cfg, epoch,
             images = normalize(images).contiguous(memory_format=layout)
             if mix is not None:
                 images, targets = mix(images, targets, epoch, step)
-            loss = train_step(state, images, targets, criterion, dtype, cfg, sampler.step_samples(step))
+            loss = train_step(state, images, targets, criterion, dtype, cfg, sampler.step_samples(step),
+                              micro_batches(sampler, step, cfg.train.accumulate))
             loss_sum += loss
             seen += len(targets)
             state.step = step + 1
@@ -306,15 +307,20 @@ def train_one_epoch(state, loader, normalize, mix, criterion, dtype, cfg, epoch,
     return state.epoch_loss[1] - loss_before[1], stop
 
 
-def train_step(state, images, targets, criterion, dtype, cfg, step_samples):
-    """One optimizer step on this rank's part of a global batch of step_samples, in train.accumulate
-    micro-batches whose gradients are all-reduced once, after the last; returns the summed loss."""
+def micro_batches(sampler, step, accumulate):
+    """How many micro-batches step `step` is split into: train.accumulate, or fewer where a rank holds fewer
+    samples in an epoch's last step. The same on every rank that takes the step: with join() on, DDP's every
+    forward is a collective."""
+    return min(accumulate, *(n for n in (sampler.step_share(step, r) for r in range(sampler.world_size)) if n))
+
+
+def train_step(state, images, targets, criterion, dtype, cfg, step_samples, accumulate=1):
+    """One optimizer step on this rank's part of a global batch of step_samples, in `accumulate` micro-batches
+    whose gradients are all-reduced once, after the last; returns the summed loss."""
     state.optimizer.zero_grad(set_to_none=True)
-    micro_batches = list(zip(images.tensor_split(cfg.train.accumulate), targets.tensor_split(cfg.train.accumulate)))
-    micro_batches = [(x, y) for x, y in micro_batches if len(y)]  # an epoch's last step may hold fewer samples
     total = 0
-    for i, (x, y) in enumerate(micro_batches):
-        with no_sync(state.model, skip=i < len(micro_batches) - 1):
+    for i, (x, y) in enumerate(zip(images.tensor_split(accumulate), targets.tensor_split(accumulate))):
+        with no_sync(state.model, skip=i < accumulate - 1):
             with autocast(x.device, dtype):
                 loss_sum = criterion(state.model(x), y)
             # DDP averages gradients over the processes (one that has run out adds zeros): scaled so, the step's

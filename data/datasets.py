@@ -191,12 +191,14 @@ def named_eval_dataset(name, split, transform, classes, weights):
     return dataset
 
 
-def check_shareable(train_set, world_size=WORLD_SIZE, batch_size=1, drop_last=False):
-    """Every process needs at least one training image: DDP cannot join a rank that never took a step; with
-    drop_last, the epoch needs one whole global batch."""
-    if len(train_set) < world_size:
+def check_shareable(train_set, world_size=WORLD_SIZE, batch_size=1, drop_last=False, pairs=False):
+    """Every process needs at least one training image (a pair of them with MixUp or CutMix, which the sampler
+    deals two by two): DDP cannot join a rank that never took a step; with drop_last, the epoch needs one whole
+    global batch."""
+    if len(train_set) < world_size * (2 if pairs else 1) - (1 if pairs else 0):
+        each = "a pair (MixUp and CutMix mix pairs on one process)" if pairs else "one"
         raise DatasetError(f"{train_set.root}: {len(train_set)} training image(s) cannot be shared by {world_size} "
-                           f"processes; each needs at least one (use fewer processes or more images)")
+                           f"processes; each needs at least {each} (use fewer processes or more images)")
     if drop_last and len(train_set) < batch_size:
         raise DatasetError(f"{train_set.root}: data.drop_last=true drops every step: {len(train_set)} training "
                            f"image(s) are fewer than one global batch (train.batch_size={batch_size})")

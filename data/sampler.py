@@ -44,9 +44,18 @@ class DistributedShuffleSampler(Sampler):
         generator = torch.Generator().manual_seed(seed_hash(self.seed, self.epoch))
         order = torch.randperm(self.dataset_size, generator=generator)
         if self.repeats > 1:
-            copies = torch.arange(self.repeats).repeat(self.dataset_size)
-            order = order.repeat_interleave(self.repeats) + copies * self.dataset_size
+            order = self.repeated(order)
         return order[: self.size]  # drop_last: a different remainder is left out each epoch
+
+    def repeated(self, order):
+        """order with each group of `group` images repeated `repeats` times in a row (a b, a b, ... for pairs, so
+        a pair mixes two images, never two copies of one), copy k of image i as id i + k * dataset_size."""
+        whole = len(order) // self.group * self.group
+        blocks = [order[:whole].view(-1, self.group), order[whole:].view(-1, 1)]  # a last, partial group: alone
+        ids = [(block.repeat_interleave(self.repeats, 0) +
+                torch.arange(self.repeats).repeat(len(block))[:, None] * self.dataset_size).flatten()
+               for block in blocks]
+        return torch.cat(ids)
 
     def __iter__(self):
         share = self.share(self.permutation(), self.rank)
@@ -62,8 +71,16 @@ class DistributedShuffleSampler(Sampler):
         return max(0, self.share_size(self.rank) - self.start_step * self.batch_size // self.world_size)
 
     def share_size(self, rank):
-        """Samples in rank's share of an epoch."""
-        return len(self.share(torch.arange(self.size), rank))
+        """Samples in rank's share of an epoch: its groups, less what the last group lacks if it is rank's."""
+        groups = math.ceil(self.size / self.group)
+        count = max(0, math.ceil((groups - rank) / self.world_size)) * self.group
+        short = -self.size % self.group  # samples the last group lacks
+        return count - short if groups and (groups - 1) % self.world_size == rank else count
+
+    def step_share(self, step, rank):
+        """Samples rank takes in step `step` (0 where it has run out)."""
+        rank_batch = self.batch_size // self.world_size
+        return min(max(self.share_size(rank) - step * rank_batch, 0), rank_batch)
 
     def steps(self):
         """(most, fewest) steps a rank takes per epoch: ranks differ by at most one step (never with drop_last)."""

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from conftest import run_torchrun
+from data.sampler import DistributedShuffleSampler
 from ddp_check import CASES, TECHNIQUES, run_technique
+from train import micro_batches
 
 
 @pytest.fixture(scope="module")
@@ -54,5 +56,14 @@ def test_mixup_cutmix_and_repeats_give_the_same_run_at_one_and_two_processes(une
     two_processes = torch.tensor(uneven_report["techniques"]["mix_and_repeats"]["weights"])
     one_process = run_technique(TECHNIQUES["mix_and_repeats"])
     assert torch.allclose(two_processes, torch.tensor(one_process["weights"]), atol=1e-6)
-    unmixed = torch.tensor(run_technique([])["weights"])
-    assert (two_processes - unmixed).abs().max() > 1e-3  # the mixing took effect
+    unmixed = torch.tensor(run_technique(["data.repeats=2"])["weights"])
+    assert (two_processes - unmixed).abs().max() > 1e-3  # the mixing itself took effect
+
+
+def test_every_rank_splits_a_step_into_as_many_micro_batches():
+    # 9 images in global batches of 6 on 3 processes, in pairs: the last step holds 2, 1 and 0 images per rank.
+    # With join() on, every forward is a collective, so the ranks that take it must agree on the count.
+    samplers = [DistributedShuffleSampler(9, r, 3, batch_size=6, group=2) for r in range(3)]
+    assert [s.step_share(1, r) for r, s in enumerate(samplers)] == [2, 1, 0]
+    assert {micro_batches(s, 1, 2) for s in samplers} == {1}
+    assert {micro_batches(s, 0, 2) for s in samplers} == {2}

@@ -182,3 +182,28 @@ def test_seeded_samples_leave_the_callers_random_stream_alone(augmenting_dataset
     torch.manual_seed(0)
     SeededSamples(augmenting_dataset)[3]
     assert torch.equal(torch.rand(4), expected)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 20, 21])
+@pytest.mark.parametrize("world, group, batch", [(1, 1, 4), (3, 1, 6), (2, 2, 8), (3, 2, 6), (4, 2, 16)])
+def test_share_sizes_and_step_shares_count_what_each_rank_yields(n, world, group, batch):
+    for drop_last in (False, True):
+        samplers = [DistributedShuffleSampler(n, r, world, batch_size=batch, drop_last=drop_last, group=group)
+                    for r in range(world)]
+        for rank, sampler in enumerate(samplers):
+            share = list(sampler)
+            assert sampler.share_size(rank) == len(share)
+            rank_batch = batch // world
+            assert [sampler.step_share(s, rank) for s in range(sampler.steps()[0] + 1)] == \
+                [len(share[s * rank_batch:(s + 1) * rank_batch]) for s in range(sampler.steps()[0] + 1)]
+
+
+def test_repeated_pairs_are_two_different_images_and_repeat_together():
+    order = DistributedShuffleSampler(21, group=2, repeats=4)
+    order.set_epoch(3)
+    ids = order.permutation().tolist()
+    assert len(ids) == 21
+    pairs = [(ids[i], ids[i + 1]) for i in range(0, 20, 2)]
+    assert all(a % 21 != b % 21 for a, b in pairs)  # MixUp never mixes two copies of one image
+    assert [(a % 21, b % 21) for a, b in pairs[:4]] == [(pairs[0][0] % 21, pairs[0][1] % 21)] * 4  # a b, a b, ...
+    assert len({a for a, _ in pairs[:4]}) == 4  # each copy its own id (its own augmentation)

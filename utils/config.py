@@ -107,8 +107,8 @@ class Recipe:
 
 
 # What a resumed run may change: none of these changes what the run has trained so far.
-RESUME_KEYS = ("train.epochs", "train.patience", "train.save_every_steps", "train.log_every_steps", "train.compile",
-               "train.channels_last", "data.workers", "device", "project", "name")
+RESUME_KEYS = ("train.epochs", "train.patience", "train.save_every_steps", "train.log_every_steps", "train.accumulate",
+               "train.compile", "train.channels_last", "data.workers", "device", "project", "name")
 
 
 class RecipeError(SharedError):
