@@ -97,3 +97,7 @@ def test_every_process_needs_a_training_image(image_folder):
     with pytest.raises(DatasetError, match=r"data.drop_last=true drops every step: 3 training image\(s\) are fewer "
                                            r"than one global batch \(train.batch_size=4\)"):
         check_shareable(train, world_size=1, batch_size=4, drop_last=True)
+    # With MixUp or CutMix the sampler deals pairs: 3 images are 2 pairs (one partial), enough for 2 processes.
+    check_shareable(train, world_size=2, pairs=True)
+    with pytest.raises(DatasetError, match=r"cannot be shared by 3 processes; each needs at least a pair"):
+        check_shareable(train, world_size=3, pairs=True)
