@@ -9,8 +9,6 @@ from contextlib import contextmanager
 
 import torch
 from omegaconf import OmegaConf
-from torch.utils.tensorboard import SummaryWriter
-from torch.utils.tensorboard.summary import hparams
 
 from utils.config import flat_keys
 from utils.plots import confusion_figure, figure_array, labelled_grid, results_figure, save_figure
@@ -33,6 +31,8 @@ class RunLogger:
     """
 
     def __init__(self, run_dir, cfg, classes, done=None):
+        from torch.utils.tensorboard import SummaryWriter  # here: only rank 0 pays for importing TensorBoard
+
         self.run_dir, self.classes, self.csv_path = run_dir, list(classes), run_dir / "results.csv"
         self.plots = PlotBudget(PLOT_SHARE)
         self.unplotted = None  # (global step, confusion matrix) of the last epoch logged, until plotted
@@ -46,6 +46,8 @@ class RunLogger:
 
     def write_hparams(self, cfg):
         """The flattened recipe in TensorBoard's HParams tab, beside the latest values of HPARAM_METRICS."""
+        from torch.utils.tensorboard.summary import hparams
+
         recipe = OmegaConf.to_container(cfg)
         values = {key: OmegaConf.select(cfg, key) for key in flat_keys(recipe)}
         values = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in values.items()}
