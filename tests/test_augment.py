@@ -123,3 +123,13 @@ def test_val_img_size_sets_the_validation_crop_and_what_export_records(photos):
     assert ImageFolder(str(photos), val_transforms(cfg))[0][0].shape == (3, 20, 20)
     assert preprocessing(cfg)["img_size"] == 20 and preprocessing(cfg)["resize"] == 25
     assert SeededSamples(ImageFolder(str(photos), train_transforms(cfg)))[0][0].shape == (3, 16, 16)
+
+
+def test_switch_probability_chooses_between_cutmix_and_mixup():
+    images, targets = batch(size=16)
+    for prob, cutmix in ((0.0, False), (1.0, True)):
+        mix = batch_mixer(data_cfg(mixup_alpha=0.4, cutmix_alpha=1.0, mix_switch_prob=prob), 3, 0)
+        for step in range(10):
+            mixed = mix(images, targets, 0, step)[0]
+            untouched = (mixed[0] == images[0]).all(0).float().mean().item()
+            assert (untouched > 0) == cutmix  # CutMix keeps pixels outside its box; MixUp blends every pixel
