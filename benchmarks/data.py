@@ -1,0 +1,117 @@
+"""How long training waits for its data: the share of step time spent waiting for the next batch.
+
+For the digits (8x8 PNG) and a generated ImageFolder of JPEGs between 64 and 160 px (written once by this script
+into a temporary folder), one process trains the recipe's convnet through train.py's own loader (seeded sampler,
+per-sample augmentation seeds, transforms) with data.workers 0, 1 and 2, threads and workers split as train.py
+splits them. Per epoch it sums the time from the end of one step to the arrival of the next batch (wait) and the
+whole epoch (with no workers, loading happens in the wait); each setting runs --rounds epochs after a warm-up
+epoch, medians reported. It
+also times decoding the JPEGs with PIL (as the loader does) against torchvision.io.decode_image.
+
+    python benchmarks/data.py [--rounds 3] [--jpegs 2000]
+"""
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from data.datasets import build_dataloader, set_epoch, train_val_datasets  # noqa: E402
+from data.transforms import normalizer, train_transforms  # noqa: E402
+from data.verify import decode  # noqa: E402
+from models import build_model  # noqa: E402
+from utils.config import load_recipe  # noqa: E402
+from utils.optim import build_optimizer  # noqa: E402
+from utils.torch_utils import set_threads  # noqa: E402
+
+
+def write_jpegs(root, count, seed=0):
+    """An ImageFolder of `count` smooth random JPEGs (10 classes, 64-160 px sides) under root/train and root/val."""
+    rng = np.random.default_rng(seed)
+    for i in range(count):
+        split = "val" if i % 10 == 9 else "train"
+        folder = root / split / str(i // 10 % 10)
+        folder.mkdir(parents=True, exist_ok=True)
+        h, w = rng.integers(64, 161, size=2)
+        small = rng.integers(0, 256, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)  # upscaled: compresses as photos do
+        Image.fromarray(small).resize((int(w), int(h)), Image.BILINEAR).save(folder / f"{i:05d}.jpg", quality=90)
+    return root
+
+
+def epoch_times(cfg, workers, rounds):
+    """Per epoch (wait seconds, epoch seconds) of train.py's loader feeding SGD steps of the recipe's model."""
+    threads, workers = set_threads(workers)
+    train_set, _ = train_val_datasets(cfg.data.name, train_transforms(cfg.data), None)
+    device = torch.device("cpu")
+    loader = build_dataloader(train_set, cfg.train.batch_size, True, cfg.seed, workers, device)
+    model = build_model(cfg.model, len(train_set.classes), cfg.data.img_size)
+    optimizer, normalize = build_optimizer(model, cfg.optim), normalizer(cfg.data, device)
+    criterion = torch.nn.CrossEntropyLoss()
+    results = []
+    for epoch in range(rounds + 1):  # epoch 0 warms up
+        set_epoch(loader, epoch)
+        wait, start = 0.0, time.perf_counter()
+        ready = start
+        for images, targets in loader:
+            wait += time.perf_counter() - ready
+            optimizer.zero_grad(set_to_none=True)
+            criterion(model(normalize(images)), targets).backward()
+            optimizer.step()
+            ready = time.perf_counter()
+        if epoch:
+            results.append((wait, time.perf_counter() - start))
+    return threads, workers, results
+
+
+def decode_rates(folder, limit=500):
+    """Microseconds per image to decode JPEGs with PIL and with torchvision.io (alternated, medians of 3)."""
+    from torchvision.io import ImageReadMode, decode_image, read_file
+
+    paths = sorted(folder.rglob("*.jpg"))[:limit]
+    sides = {"PIL": lambda p: decode(p), "torchvision.io": lambda p: decode_image(read_file(str(p)),
+                                                                                 mode=ImageReadMode.RGB)}
+    times = {name: [] for name in sides}
+    for round_ in range(3):
+        for name in list(sides)[:: 1 if round_ % 2 == 0 else -1]:
+            start = time.perf_counter()
+            for path in paths:
+                sides[name](path)
+            times[name].append((time.perf_counter() - start) / len(paths) * 1e6)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3, help="timed epochs per setting, after a warm-up epoch")
+    parser.add_argument("--jpegs", type=int, default=2000, help="images in the generated JPEG ImageFolder")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        jpegs = write_jpegs(Path(tmp) / "jpegs", args.jpegs)
+        datasets = {"digits 8px": load_recipe("cls.yaml"),
+                    "JPEG 64-160px -> 64px": load_recipe("cls.yaml", [f"data.name={jpegs}", "data.img_size=64",
+                                                                      "data.scale=[0.25,1.0]", "data.hflip=0.5",
+                                                                      "data.crop_pct=0.875"])}
+        print(f"one process, {torch.get_num_threads()} core(s) to share; {args.rounds} timed epochs per setting, "
+              f"medians")
+        print(f"{'data':24s} {'asked':>5s} {'workers':>7s} {'threads':>7s} {'wait share':>10s} {'epoch':>8s}")
+        for name, cfg in datasets.items():
+            for workers in (0, 1, 2):
+                threads, used, results = epoch_times(cfg, workers, args.rounds)
+                share = statistics.median(w / e for w, e in results)
+                epoch = statistics.median(e for _, e in results)
+                print(f"{name:24s} {workers:5d} {used:7d} {threads:7d} {share:10.1%} {epoch:7.2f}s")
+        rates = decode_rates(jpegs)
+        print("decode, us per JPEG: " + ", ".join(f"{name} {us:.0f}" for name, us in rates.items()))
+
+
+if __name__ == "__main__":
+    main()
