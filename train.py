@@ -311,6 +311,8 @@ def micro_batches(sampler, step, accumulate):
     """How many micro-batches step `step` is split into: train.accumulate, or fewer where a rank holds fewer
     samples in an epoch's last step. The same on every rank that takes the step: with join() on, DDP's every
     forward is a collective."""
+    if sampler.step_samples(step) == sampler.batch_size:  # a whole global batch: every rank holds its full share
+        return accumulate
     return min(accumulate, *(n for n in (sampler.step_share(step, r) for r in range(sampler.world_size)) if n))
 
 

@@ -195,7 +195,8 @@ def check_shareable(train_set, world_size=WORLD_SIZE, batch_size=1, drop_last=Fa
     """Every process needs at least one training image (a pair of them with MixUp or CutMix, which the sampler
     deals two by two): DDP cannot join a rank that never took a step; with drop_last, the epoch needs one whole
     global batch."""
-    if len(train_set) < world_size * (2 if pairs else 1) - (1 if pairs else 0):
+    needed = 2 * world_size - 1 if pairs else world_size  # pairs: the last process may hold the odd one alone
+    if len(train_set) < needed:
         each = "a pair (MixUp and CutMix mix pairs on one process)" if pairs else "one"
         raise DatasetError(f"{train_set.root}: {len(train_set)} training image(s) cannot be shared by {world_size} "
                            f"processes; each needs at least {each} (use fewer processes or more images)")

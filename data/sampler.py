@@ -99,8 +99,9 @@ class SeededSamples(Dataset):
 
     A sample is then augmented the same way whichever rank or DataLoader worker loads it, at any world size or
     number of workers, and a run resumed mid-epoch can redo any step exactly. An id i >= len(dataset) is copy
-    i // len(dataset) of sample i % len(dataset) (repeated augmentation): the same image, augmented afresh. The caller's generator state is
-    restored afterwards, so with no workers the main process's stream (dropout, ...) is left as it was.
+    i // len(dataset) of sample i % len(dataset) (repeated augmentation): the same image, augmented afresh. The
+    caller's generator state is restored afterwards, so with no workers the main process's stream (dropout, ...)
+    is left as it was.
     """
 
     def __init__(self, dataset, seed=0):

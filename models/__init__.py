@@ -21,7 +21,7 @@ MAIN_HEAD_ONLY = {"googlenet": {"aux_logits": False, "init_weights": True},
                   "inception_v3": {"aux_logits": False, "init_weights": True}}
 
 
-OURS = {"convnet": "small VGG-style net for low-resolution images", "resnet18_cifar": "ResNet-18 for 32x32 images"}
+OURS = ("convnet", "resnet18_cifar")  # built here (models/), not by torchvision or timm
 
 
 @cache
@@ -41,7 +41,7 @@ def check_model_name(name):
     if name in model_names():
         return None
     match = difflib.get_close_matches(name, model_names(), n=1)
-    return (f"no such model; give convnet, resnet18_cifar, a torchvision classification model or timm/NAME"
+    return (f"no such model; give {', '.join(OURS)}, a torchvision classification model or timm/NAME"
             f"{f' (closest: {match[0]!r})' if match else ''}")
 
 

@@ -185,17 +185,17 @@ def broadcast_module(module, src=0):
             dist.broadcast(tensor.data, src=src)
 
 
+def ddp_of(model):
+    """The DDP wrapper of a (compiled) training model, or None for one process."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile wraps DDP, not the reverse (see compiled())
+    return model if isinstance(model, DDP) else None
+
+
 def de_parallel(model):
     """Return the plain module inside torch.compile's and DDP's wrappers (or the model itself): its state_dict has
     no '_orig_mod.' or 'module.' prefixes."""
-    model = getattr(model, "_orig_mod", model)  # torch.compile wraps DDP, not the reverse (see compiled())
-    return model.module if isinstance(model, DDP) else model
-
-
-def ddp_of(model):
-    """The DDP wrapper of a (compiled) training model, or None for one process."""
-    model = getattr(model, "_orig_mod", model)
-    return model if isinstance(model, DDP) else None
+    ddp = ddp_of(model)
+    return ddp.module if ddp is not None else getattr(model, "_orig_mod", model)
 
 
 def join_uneven_inputs(model, uneven=True):
