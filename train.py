@@ -19,9 +19,10 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
-from data.datasets import build_dataloader, check_shareable, set_epoch, train_val_datasets
+from data.cache import batch_to
+from data.datasets import build_dataloader, check_shareable, set_epoch, training_datasets
 from data.mix import batch_mixer
-from data.transforms import normalizer, train_transforms, val_size, val_transforms
+from data.transforms import crop_spec, normalizer, val_size
 from models import build_model, check_input_size, load_weights, read_weights
 from utils.checkpoint import find_resume_checkpoint, load_training_checkpoint, run_dir_of, save_checkpoint
 from utils.config import Recipe, check_resumable, load_recipe, load_resumed_recipe, parse_overrides, recipe_to_yaml
@@ -83,16 +84,19 @@ def main(argv=None):
     """Join the process group, settle the recipe and checkpoint, train; bad input exits with code 2 and one line,
     a stop signal with 128 + its number after saving."""
     args = parse_args(argv)
+    # Stop signals are caught from here on: one that arrives while the ranks set up stops the run after its first
+    # step, where the default action would kill this rank and leave the others failing at a collective.
     try:
-        setup_distributed()
-        try:
-            cfg, run_dir, resume = prepare_run(args)
-            device = select_device(cfg.device)
-            set_device(device)
-            dtype = autocast_dtype(cfg.train.precision, device)
-            return train(cfg, device, dtype, run_dir, resume)
-        finally:
-            cleanup_distributed()
+        with StopVote() as vote:
+            setup_distributed()
+            try:
+                cfg, run_dir, resume = prepare_run(args)
+                vote.device = select_device(cfg.device)
+                set_device(vote.device)
+                dtype = autocast_dtype(cfg.train.precision, vote.device)
+                return train(cfg, vote, dtype, run_dir, resume)
+            finally:
+                cleanup_distributed()
     except UsageError as e:
         exit_on_error("train.py", e)
     except Stopped as e:
@@ -137,12 +141,13 @@ def read_restarted_run(project, name):
     return None, None, None
 
 
-def train(cfg, device, dtype, run_dir=None, resume=None):
-    """The whole run: data, model, optimizer, then per epoch train, validate, log and save; returns best top-1."""
-    threads, workers = set_threads(cfg.data.workers)
+def train(cfg, vote, dtype, run_dir=None, resume=None):
+    """The whole run: data, model, optimizer, then per epoch train, validate, log and save; returns best top-1.
+    vote (a StopVote, entered) stops every rank together on a signal; its device is the training device."""
+    device = vote.device
+    threads, workers, workers_why = set_threads(cfg.data.workers, cfg.data.cache == "ram", device.type)
     init_seeds(cfg.seed + RANK, cfg.train.deterministic)  # own dropout stream per rank; DDP copies rank 0's init
-    train_set, val_set = train_val_datasets(cfg.data.name, train_transforms(cfg.data), val_transforms(cfg.data),
-                                            skip_corrupt=cfg.data.skip_corrupt)
+    train_set, val_set = training_datasets(cfg.data, cfg.seed)
     classes = train_set.classes
     mix = batch_mixer(cfg.data, len(classes), cfg.seed)  # None unless MixUp or CutMix is on
     check_shareable(train_set, WORLD_SIZE, cfg.train.batch_size, cfg.data.drop_last, pairs=mix is not None)
@@ -171,15 +176,16 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
             LOGGER.warning(f"{resume[0]} was trained on {resume[1]['train_images']} training images, the data now "
                            f"holds {len(train_set)}: the order and the resumed epoch's remaining steps differ")
     if WORLD_SIZE > 1:
-        state.model = smart_DDP(model, device)  # after restore: DDP starts every rank from rank 0's weights
+        state.model = smart_DDP(model, device, **cfg.ddp)  # after restore: DDP starts every rank from rank 0's weights
     state.model = compiled(state.model, cfg.train.compile)
     criterion = nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing, reduction="sum")
 
     LOGGER.info(f"{colorstr('train:')} {WORLD_SIZE} process(es) on {device.type}, {threads} thread(s) and "
-                f"{workers} worker(s) each; {len(train_set)} train / {len(val_set)} val images, {len(classes)} "
-                f"classes; {cfg.model.name} ({sum(p.numel() for p in model.parameters()):,} parameters); "
-                f"batch {cfg.train.batch_size} ({cfg.train.batch_size // WORLD_SIZE} per process), {steps} steps "
-                f"per epoch{f'; resuming at epoch {state.epoch + 1}, step {state.step}' if resume else ''}")
+                f"{workers} worker(s) each ({workers_why}); {len(train_set)} train / {len(val_set)} val images, "
+                f"{len(classes)} classes; {cfg.model.name} ({sum(p.numel() for p in model.parameters()):,} "
+                f"parameters) in {str(dtype or torch.float32).removeprefix('torch.')}; batch {cfg.train.batch_size} "
+                f"({cfg.train.batch_size // WORLD_SIZE} per process), {steps} steps per epoch"
+                f"{f'; resuming at epoch {state.epoch + 1}, step {state.step}' if resume else ''}")
     # Only now: a run that fails on its data or model leaves no directory behind.
     continuing = run_dir is not None  # resumed, or restarted by torchrun into this job's run
     run_dir = resumed_run_dir(run_dir, cfg) if continuing else make_run_dir(cfg)
@@ -191,41 +197,41 @@ def train(cfg, device, dtype, run_dir=None, resume=None):
             logger.tb.flush()
         save_state(state, cfg, classes, len(train_set), [run_dir / "weights" / n for n in names], best_from_ema)
     start = time.time()
-    with StopVote(device) as vote:
-        for epoch in range(state.epoch, cfg.train.epochs):
-            epoch_start = time.time()
-            set_epoch(train_loader, epoch, state.step)
-            images_seen, stopped = train_one_epoch(state, train_loader, normalize, mix, criterion, dtype, cfg, epoch,
-                                                   vote, save, logger, show_batch=not (epoch or state.step or resume))
-            if stopped:
-                stop(vote, run_dir, epoch, state.step, steps)
-            train_time = time.time() - epoch_start
-            keep_ranks_in_step(state, train_loader, epoch)
-            metrics = evaluate(de_parallel(state.model), val_loader, normalize, len(classes), device, dtype,
-                               keep_wrong=WRONG_SHOWN if logger else 0)
-            metrics.update(evaluate_ema(state.ema, val_loader, normalize, len(classes), device, dtype))
-            loss_sum, seen = state.epoch_loss
-            metrics.update({"epoch": epoch + 1, "train/loss": loss_sum / seen,
-                            "lr/pg0": optimizer.param_groups[0]["lr"], "time/epoch": time.time() - epoch_start,
-                            "time/img_s": images_seen / train_time})
-            state.epoch, state.step, state.epoch_loss, state.logged_loss = epoch + 1, 0, (0.0, 0), (0.0, 0)
-            ema_better = state.ema is not None and metrics["val/ema_top1"] > metrics["val/top1"]
-            top1 = metrics["val/ema_top1"] if ema_better else metrics["val/top1"]
-            improved = top1 > state.best_top1
-            if improved:
-                state.best_top1, state.best_epoch = top1, epoch + 1
-            if logger:
-                logger.log_epoch(metrics, (epoch + 1) * steps)
-                LOGGER.info(epoch_summary(metrics, cfg.train.epochs))
-            stop_asked = check_vote(vote.settle(weights_sum(state.model)), epoch, steps)  # signal in validation?
-            save(*(["best.pt"] if improved else []), "last.pt", best_from_ema=ema_better)  # last.pt commits the epoch
-            if stop_asked and epoch + 1 < cfg.train.epochs:
-                stop(vote, run_dir, epoch + 1, 0, steps)
-            if out_of_patience(cfg.train.patience, state, cfg.train.epochs):
-                break
+    loop_cfg = OmegaConf.to_object(cfg)  # a plain dataclass: the loop reads keys every step, ~60 us each from OmegaConf
+    for epoch in range(state.epoch, cfg.train.epochs):
+        epoch_start = time.time()
+        set_epoch(train_loader, epoch, state.step)
+        images_seen, stopped = train_one_epoch(state, train_loader, normalize, mix, criterion, dtype, loop_cfg, epoch,
+                                               vote, save, logger, show_batch=not (epoch or state.step or resume))
+        if stopped:
+            stop(vote, run_dir, epoch, state.step, steps)
+        train_time = time.time() - epoch_start
+        keep_ranks_in_step(state, train_loader, epoch)
+        metrics = evaluate(de_parallel(state.model), val_loader, normalize, len(classes), device, dtype,
+                           keep_wrong=WRONG_SHOWN if logger else 0)
+        metrics.update(evaluate_ema(state.ema, val_loader, normalize, len(classes), device, dtype))
+        loss_sum, seen = state.epoch_loss
+        metrics.update({"epoch": epoch + 1, "train/loss": loss_sum / seen,
+                        "lr/pg0": optimizer.param_groups[0]["lr"], "time/epoch": time.time() - epoch_start,
+                        "time/img_s": images_seen / train_time})
+        state.epoch, state.step, state.epoch_loss, state.logged_loss = epoch + 1, 0, (0.0, 0), (0.0, 0)
+        ema_better = state.ema is not None and metrics["val/ema_top1"] > metrics["val/top1"]
+        top1 = metrics["val/ema_top1"] if ema_better else metrics["val/top1"]
+        improved = top1 > state.best_top1
+        if improved:
+            state.best_top1, state.best_epoch = top1, epoch + 1
+        if logger:
+            logger.log_epoch(metrics, (epoch + 1) * steps)
+            LOGGER.info(epoch_summary(metrics, cfg.train.epochs))
+        stop_asked = check_vote(vote.settle(weights_sum(state.model)), epoch, steps)  # signal in validation?
+        save(*(["best.pt"] if improved else []), "last.pt", best_from_ema=ema_better)  # last.pt commits the epoch
+        if stop_asked and epoch + 1 < cfg.train.epochs:
+            stop(vote, run_dir, epoch + 1, 0, steps)
+        if out_of_patience(cfg.train.patience, state, cfg.train.epochs):
+            break
     if logger:
         logger.close()
-        images = val_set.root if hasattr(val_set, "samples") else "path/to/images"  # CIFAR's are not files
+        images = val_set.root if getattr(val_set, "samples", None) else "path/to/images"  # CIFAR's are not files
         LOGGER.info(next_steps(run_dir, state, time.time() - start, images))
     return state.best_top1
 
@@ -265,10 +271,10 @@ def train_one_epoch(state, loader, normalize, mix, criterion, dtype, cfg, epoch,
     bar = tqdm(loader, desc=f"{epoch + 1}/{cfg.train.epochs}", initial=state.step, total=most,
                disable=True if RANK else None, leave=False)
     start = last_shown = time.monotonic()
-    stop, layout = False, memory_format(cfg.train.channels_last)
+    stop, layout, crop = False, memory_format(cfg.train.channels_last), crop_spec(cfg.data)
     with join_uneven_inputs(state.model, fewest < most):
-        for step, (images, targets) in enumerate(bar, state.step):
-            images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        for step, batch in enumerate(bar, state.step):
+            images, targets = batch_to(batch, device, crop)  # the RAM cache's batches are cropped on the device
             if show_batch and logger:
                 logger.log_batch(images[:32], targets[:32])
                 show_batch = False

@@ -65,7 +65,7 @@ def validate(args):
     device = select_device(args.device, key="--device")
     set_device(device)
     precision, dtype = inference_precision(args.precision, cfg.train.precision, device)
-    _, workers = set_threads(cfg.data.workers if args.workers is None else args.workers)
+    _, workers, _ = set_threads(cfg.data.workers if args.workers is None else args.workers, device_type=device.type)
     dataset = named_eval_dataset(args.data or cfg.data.name, args.split, val_transforms(cfg.data), classes,
                                  args.weights)
     if cfg.data.skip_corrupt and hasattr(dataset, "samples"):  # as training did: its recorded top-1 left them out

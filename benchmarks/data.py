@@ -1,12 +1,13 @@
 """How long training waits for its data: the share of step time spent waiting for the next batch.
 
 For the digits (8x8 PNG) and a generated ImageFolder of JPEGs between 64 and 160 px (written once by this script
-into a temporary folder), one process trains the recipe's convnet through train.py's own loader (seeded sampler,
-per-sample augmentation seeds, transforms) with data.workers 0, 1 and 2, threads and workers split as train.py
-splits them. Per epoch it sums the time from the end of one step to the arrival of the next batch (wait) and the
-whole epoch (with no workers, loading happens in the wait); each setting runs --rounds epochs after a warm-up
-epoch, medians reported. It
-also times decoding the JPEGs with PIL (as the loader does) against torchvision.io.decode_image.
+into a temporary folder), one process trains the recipe's convnet through train.py's own data path (datasets,
+seeded sampler, per-sample augmentation seeds, batch_to) with images decoded per sample by data.workers 0, 1, 2
+and auto, and with data.cache=ram (decoded once, cropped per batch); threads and workers are split as train.py
+splits them. Per epoch it sums the time from the end of one step to the moment the next batch is on the device
+and cropped (wait) and the whole epoch (with no workers, loading happens in the wait); each setting runs --rounds
+epochs after a warm-up epoch, medians reported, and the epoch time is given relative to per-sample decoding with
+no workers. It also times decoding the JPEGs with PIL (as the loader does) against torchvision.io.decode_image.
 
     python benchmarks/data.py [--rounds 3] [--jpegs 2000]
 """
@@ -25,8 +26,9 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from data.datasets import build_dataloader, set_epoch, train_val_datasets  # noqa: E402
-from data.transforms import normalizer, train_transforms  # noqa: E402
+from data.cache import batch_to  # noqa: E402
+from data.datasets import build_dataloader, set_epoch, training_datasets  # noqa: E402
+from data.transforms import crop_spec, normalizer  # noqa: E402
 from data.verify import decode  # noqa: E402
 from models import build_model  # noqa: E402
 from utils.config import load_recipe  # noqa: E402
@@ -47,21 +49,22 @@ def write_jpegs(root, count, seed=0):
     return root
 
 
-def epoch_times(cfg, workers, rounds):
+def epoch_times(cfg, rounds):
     """Per epoch (wait seconds, epoch seconds) of train.py's loader feeding SGD steps of the recipe's model."""
-    threads, workers = set_threads(workers)
-    train_set, _ = train_val_datasets(cfg.data.name, train_transforms(cfg.data), None)
     device = torch.device("cpu")
+    threads, workers, _ = set_threads(cfg.data.workers, cfg.data.cache == "ram", device.type)
+    train_set, _ = training_datasets(cfg.data, cfg.seed)
     loader = build_dataloader(train_set, cfg.train.batch_size, True, cfg.seed, workers, device)
     model = build_model(cfg.model, len(train_set.classes), cfg.data.img_size)
     optimizer, normalize = build_optimizer(model, cfg.optim), normalizer(cfg.data, device)
-    criterion = torch.nn.CrossEntropyLoss()
+    criterion, crop = torch.nn.CrossEntropyLoss(), crop_spec(cfg.data)
     results = []
     for epoch in range(rounds + 1):  # epoch 0 warms up
         set_epoch(loader, epoch)
         wait, start = 0.0, time.perf_counter()
         ready = start
-        for images, targets in loader:
+        for batch in loader:
+            images, targets = batch_to(batch, device, crop)
             wait += time.perf_counter() - ready
             optimizer.zero_grad(set_to_none=True)
             criterion(model(normalize(images)), targets).backward()
@@ -70,6 +73,14 @@ def epoch_times(cfg, workers, rounds):
         if epoch:
             results.append((wait, time.perf_counter() - start))
     return threads, workers, results
+
+
+SETTINGS = [("none", "0"), ("none", "1"), ("none", "2"), ("none", "auto"), ("ram", "auto")]  # (data.cache, workers)
+
+
+def cfg_with(overrides, cache, workers):
+    """cls.yaml with overrides, data.cache and data.workers."""
+    return load_recipe("cls.yaml", [*overrides, f"data.cache={cache}", f"data.workers={workers}"])
 
 
 def decode_rates(folder, limit=500):
@@ -96,19 +107,22 @@ def main():
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         jpegs = write_jpegs(Path(tmp) / "jpegs", args.jpegs)
-        datasets = {"digits 8px": load_recipe("cls.yaml"),
-                    "JPEG 64-160px -> 64px": load_recipe("cls.yaml", [f"data.name={jpegs}", "data.img_size=64",
-                                                                      "data.scale=[0.25,1.0]", "data.hflip=0.5",
-                                                                      "data.crop_pct=0.875"])}
+        datasets = {"digits 8px": [],  # overrides of cls.yaml
+                    "JPEG 64-160px -> 64px": [f"data.name={jpegs}", "data.img_size=64", "data.scale=[0.25,1.0]",
+                                              "data.hflip=0.5", "data.crop_pct=0.875"]}
         print(f"one process, {torch.get_num_threads()} core(s) to share; {args.rounds} timed epochs per setting, "
               f"medians")
-        print(f"{'data':24s} {'asked':>5s} {'workers':>7s} {'threads':>7s} {'wait share':>10s} {'epoch':>8s}")
-        for name, cfg in datasets.items():
-            for workers in (0, 1, 2):
-                threads, used, results = epoch_times(cfg, workers, args.rounds)
+        print(f"{'data':24s} {'cache':>5s} {'asked':>5s} {'workers':>7s} {'threads':>7s} {'wait share':>10s} "
+              f"{'epoch time':>10s}")
+        for name, overrides in datasets.items():
+            first = None
+            for cache, workers in SETTINGS:
+                threads, used, results = epoch_times(cfg_with(overrides, cache, workers), args.rounds)
                 share = statistics.median(w / e for w, e in results)
                 epoch = statistics.median(e for _, e in results)
-                print(f"{name:24s} {workers:5d} {used:7d} {threads:7d} {share:10.1%} {epoch:7.2f}s")
+                first = first or epoch
+                print(f"{name:24s} {cache:>5s} {workers:>5s} {used:7d} {threads:7d} {share:10.1%} "
+                      f"{epoch / first:9.2f}x")
         rates = decode_rates(jpegs)
         print("decode, us per JPEG: " + ", ".join(f"{name} {us:.0f}" for name, us in rates.items()))
 

@@ -13,7 +13,9 @@ from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
+from data.cache import RamImages, cached_datasets, keep_batch
 from data.sampler import DistributedShuffleSampler, SeededSamples, seed_hash
+from data.transforms import train_transforms, val_transforms
 from data.verify import UNREADABLE, decode, unreadable_images, unreadable_reason
 from utils.general import LOGGER, ROOT, SharedError, UsageError, colorstr
 from utils.torch_utils import LOCAL_RANK, RANK, WORLD_SIZE, torch_distributed_zero_first
@@ -178,6 +180,15 @@ def train_val_datasets(name, train_transform, val_transform, skip_corrupt=False)
     return build_datasets(dataset_root(name), train_transform, val_transform, skip_corrupt)
 
 
+def training_datasets(cfg, seed):
+    """The train and val sets of a recipe's data section: transformed per image as loaded, or with data.cache=ram
+    decoded once into memory (RamImages), training's crop and flip then drawn per batch."""
+    if cfg.cache != "ram":
+        return train_val_datasets(cfg.name, train_transforms(cfg), val_transforms(cfg), cfg.skip_corrupt)
+    train_source, val_source = train_val_datasets(cfg.name, None, None, cfg.skip_corrupt)
+    return cached_datasets(train_source, val_source, cfg, seed, val_transforms(cfg))
+
+
 def named_eval_dataset(name, split, transform, classes, weights):
     """data.name's split (train, val or test) labelled with the classes a checkpoint (weights) was trained on;
     CIFAR's val is its test set."""
@@ -210,7 +221,8 @@ def build_dataloader(dataset, batch_size, train, seed, workers, device, drop_las
 
     For training the order is shuffled per epoch and each sample's augmentation seeded (see SeededSamples); call
     set_epoch(loader, epoch) before each epoch. With pairs, consecutive samples of the order come in pairs on one
-    rank (for MixUp and CutMix); repeats > 1 is repeated augmentation.
+    rank (for MixUp and CutMix); repeats > 1 is repeated augmentation. A RamImages dataset gathers whole batches
+    itself (and seeds its training crops the same way).
     """
     sampler = DistributedShuffleSampler(len(dataset), RANK, WORLD_SIZE, shuffle=train, seed=seed,
                                         batch_size=batch_size, drop_last=train and drop_last, group=2 if pairs else 1,
@@ -218,9 +230,11 @@ def build_dataloader(dataset, batch_size, train, seed, workers, device, drop_las
     # Worker w seeds torch, random and numpy with base + w, base drawn from this generator, which set_epoch
     # reseeds from (seed, epoch, rank); the transforms of training samples draw from SeededSamples' seeds instead.
     generator = torch.Generator().manual_seed(seed_hash(seed, 0, RANK))
-    return DataLoader(SeededSamples(dataset, seed) if train else dataset, batch_size=batch_size // WORLD_SIZE,
-                      sampler=sampler, num_workers=workers, pin_memory=device.type == "cuda", generator=generator,
-                      worker_init_fn=leave_process_group)
+    cached = isinstance(dataset, RamImages)
+    return DataLoader(SeededSamples(dataset, seed) if train and not cached else dataset,
+                      batch_size=batch_size // WORLD_SIZE, sampler=sampler, num_workers=workers,
+                      collate_fn=keep_batch if cached else None, pin_memory=device.type == "cuda",
+                      generator=generator, worker_init_fn=leave_process_group)
 
 
 def leave_process_group(worker_id):

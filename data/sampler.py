@@ -3,6 +3,7 @@ dealt out to the ranks with nothing padded, and per-sample augmentation seeds.""
 
 import math
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
@@ -130,8 +131,17 @@ def sample_seed(seed, epoch, index):
     return seed_hash(seed, epoch, index) & 0xFFFFFFFF
 
 
+def uniforms(keys, count):
+    """A (len(keys), count) array of uniform floats in [0, 1): draw j of key k is seed_hash(k, j), so a sample's
+    draws need no generator of its own and a whole batch's come from one vectorised call."""
+    keys = np.asarray(keys, dtype=np.uint64)
+    bits = seed_hash(keys[:, None], np.arange(count, dtype=np.uint64))
+    return (bits >> 11).astype(np.float64) * 2.0**-53  # the top 53 bits: every double in [0, 1) a multiple of 2**-53
+
+
 def seed_hash(*values):
-    """A well-mixed 64-bit seed from non-negative integers, each changing about half its bits.
+    """A well-mixed 64-bit seed from non-negative integers, each changing about half its bits; also elementwise over
+    numpy uint64 arrays (which wrap as the masks do).
 
     Chained SplitMix64 rather than numpy's SeedSequence, which costs more than augmenting an 8x8 image.
     """

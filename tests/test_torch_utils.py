@@ -61,11 +61,24 @@ def test_rank0_errors_are_raised_as_one_shared_error():
 def test_threads_and_workers_never_oversubscribe_cores():
     before = torch.get_num_threads()
     try:
-        assert tu.set_threads(4, cores=2, procs_per_machine=2) == (1, 0)  # torchrun, 2 processes on 2 cores
-        assert tu.set_threads(4, cores=2, procs_per_machine=1) == (1, 1)
-        assert tu.set_threads(0, cores=2, procs_per_machine=1) == (2, 0)
-        assert tu.set_threads(2, cores=16, procs_per_machine=2) == (6, 2)
+        assert tu.set_threads("4", cores=2, procs_per_machine=2)[:2] == (1, 0)  # torchrun, 2 processes on 2 cores
+        assert tu.set_threads("4", cores=2, procs_per_machine=1)[:2] == (1, 1)
+        assert tu.set_threads("0", cores=2, procs_per_machine=1)[:2] == (2, 0)
+        assert tu.set_threads("2", cores=16, procs_per_machine=2)[:2] == (6, 2)
         assert torch.get_num_threads() == 6
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_auto_workers_follow_the_data_path_and_device():
+    before = torch.get_num_threads()
+    try:
+        assert tu.set_threads("auto", cached=True, cores=8)[:2] == (8, 0)  # batches from memory: all compute
+        assert tu.set_threads("auto", device_type="cuda", cores=16, procs_per_machine=2)[:2] == (1, 7)
+        assert tu.set_threads("auto", cores=8, procs_per_machine=2)[:2] == (2, 2)  # CPU, files: half and half
+        assert tu.set_threads("auto", cores=2, procs_per_machine=2)[:2] == (1, 0)  # one core: it computes
+        threads, workers, why = tu.set_threads("auto", cached=True, cores=4)
+        assert "data.cache=ram" in why and torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(before)
 
@@ -84,6 +97,21 @@ def test_autocast_dtype_per_precision_and_device():
     with pytest.raises(UsageError, match="fp16 needs a CUDA device"):
         tu.autocast_dtype("fp16", cpu)
     assert tu.autocast_dtype("fp16", cuda) is torch.float16
+
+
+def test_auto_precision_is_bf16_only_where_the_hardware_computes_in_it(tmp_path, monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    (tmp_path / "amx").write_text("flags\t\t: fpu sse avx512f amx_bf16 amx_tile\n")
+    (tmp_path / "avx512").write_text("flags\t\t: fpu sse avx512f avx512bw\n")
+    assert tu.native_precision(cpu, tmp_path / "amx") == "bf16"
+    assert tu.native_precision(cpu, tmp_path / "avx512") == "fp32"
+    assert tu.native_precision(cpu, tmp_path / "missing") == "fp32"
+    monkeypatch.setattr(tu, "native_precision", lambda device: "bf16" if device.type == "cpu" else "fp16")
+    assert tu.autocast_dtype("auto", cpu) is torch.bfloat16 and tu.autocast_dtype("auto", cuda) is torch.float16
+    for supported, precision in ((True, "bf16"), (False, "fp16")):
+        monkeypatch.undo()
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: supported)
+        assert tu.native_precision(cuda) == precision
 
 
 def test_bf16_autocast_runs_matmuls_in_bf16_on_cpu():

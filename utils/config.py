@@ -15,6 +15,7 @@ from utils.general import ROOT, WORLD_SIZE, SharedError
 
 RECIPES_DIR = ROOT / "recipes"
 SCHEDULES = ("cosine", "step", "multistep", "constant")  # sched.name: the lr's shape after warmup
+COMM_HOOKS = ("none", "bf16", "fp16")  # ddp.comm_hook: the dtype gradients are all-reduced in (none: as they are)
 AUTO_AUGMENTS = ("", "autoaugment", "autoaugment_cifar10", "randaugment", "trivialaugment", "augmix")
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
@@ -50,7 +51,8 @@ class DataConfig:
     crop_pct: float = 0.875  # val: resize to val_img_size / crop_pct, then centre-crop val_img_size
     mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))  # per-channel normalisation mean (RGB)
     std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))  # per-channel normalisation std (RGB)
-    workers: int = 4  # DataLoader workers per process; lowered (with a warning) so workers + threads fit the cores
+    cache: str = "none"  # none: decode per sample; ram: decode once into memory, crop and flip per batch
+    workers: str = "auto"  # DataLoader workers per process, or auto (by data.cache and device; printed)
     drop_last: bool = False  # train: drop each epoch's last partial global batch (so no step sees a batch of one)
     skip_corrupt: bool = False  # check each image once first (in parallel, cached next to the data); skip unreadable ones
 
@@ -63,7 +65,7 @@ class TrainConfig:
     channels_last: bool = False  # NHWC memory format for the model and training batches (faster convs on GPUs, CPUs)
     compile: bool = False  # torch.compile the training model (pays off on long runs; the first steps compile)
     label_smoothing: float = 0.0  # cross-entropy label smoothing
-    precision: str = "fp32"  # fp32, bf16 (autocast: GPUs, CPUs with AMX or AVX512-BF16) or fp16 (autocast + GradScaler; CUDA)
+    precision: str = "fp32"  # fp32, bf16 (autocast), fp16 (+ GradScaler; CUDA), auto: bf16 where native, else fp32
     deterministic: bool = True  # ask torch for deterministic kernels (reproducible runs; may be slower on GPU)
     save_every_steps: int = 0  # also save weights/last.pt every this many steps within an epoch; 0: at epoch ends only
     ema_decay: float = 0.0  # EMA of the weights, validated beside them: its decay per update (e.g. 0.99998); 0: off
@@ -94,12 +96,20 @@ class SchedConfig:
 
 
 @dataclass
+class DDPConfig:  # smart_DDP's keyword arguments (train.py passes the section as they are); several processes only
+    bucket_cap_mb: float = 25.0  # DDP all-reduces gradients in buckets of this many MB, each as soon as it is ready
+    gradient_as_bucket_view: bool = False  # gradients are views into DDP's buckets: saves a copy and their memory
+    comm_hook: str = "none"  # none, bf16 or fp16: all-reduce gradients in that dtype (half the bytes, the mean rounded)
+
+
+@dataclass
 class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     sched: SchedConfig = field(default_factory=SchedConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
     device: str = "auto"  # auto (CUDA when present), cpu or cuda; under torchrun LOCAL_RANK picks the GPU
     seed: int = 0  # seeds model init, data order and augmentation
     project: str = "runs/train"  # runs are saved to project/name
@@ -108,7 +118,10 @@ class Recipe:
 
 # What a resumed run may change: none of these changes what the run has trained so far.
 RESUME_KEYS = ("train.epochs", "train.patience", "train.save_every_steps", "train.log_every_steps", "train.accumulate",
-               "train.compile", "train.channels_last", "data.workers", "device", "project", "name")
+               "train.compile", "train.channels_last", "data.workers", "ddp.bucket_cap_mb",
+               "ddp.gradient_as_bucket_view", "device", "project", "name")
+# Not ddp.comm_hook: like train.precision it changes every gradient's value (bf16 keeps 8 bits of it), not only the
+# order of fp32 sums, so a run resumed with another hook would not be the run it continues.
 
 
 class RecipeError(SharedError):
@@ -275,7 +288,11 @@ def check_values(cfg, source):
     require(0 < cfg.data.crop_pct <= 1, "data.crop_pct", "in (0, 1]")
     require(len(cfg.data.mean) == 3, "data.mean", "three values (R, G, B)")
     require(len(cfg.data.std) == 3 and all(s > 0 for s in cfg.data.std), "data.std", "three positive values")
-    require(cfg.data.workers >= 0, "data.workers", ">= 0")
+    require(cfg.data.cache in ("none", "ram"), "data.cache", "none (decode per image) or ram")
+    for key in ("auto_augment", "random_erase"):
+        require(cfg.data.cache != "ram" or not cfg.data[key], f"data.{key}",
+                "off with data.cache=ram, which crops and flips whole batches (it runs per image: set data.cache=none)")
+    require(cfg.data.workers == "auto" or cfg.data.workers.isdigit(), "data.workers", "auto or a number >= 0")
     require(cfg.train.epochs >= 1, "train.epochs", ">= 1")
     require(cfg.train.batch_size >= 1, "train.batch_size", ">= 1")
     require(cfg.train.batch_size % WORLD_SIZE == 0, "train.batch_size",
@@ -289,7 +306,7 @@ def check_values(cfg, source):
     require(cfg.train.ema_steps >= 1, "train.ema_steps", ">= 1")
     require(cfg.train.patience >= 0, "train.patience", ">= 0 (0 trains every epoch)")
     require(cfg.train.log_every_steps >= 0, "train.log_every_steps", ">= 0 (0 logs the loss per epoch only)")
-    require(cfg.train.precision in ("fp32", "bf16", "fp16"), "train.precision", "one of fp32, bf16, fp16")
+    require(cfg.train.precision in ("fp32", "bf16", "fp16", "auto"), "train.precision", "one of fp32, bf16, fp16, auto")
     require(cfg.optim.name in ("sgd", "adamw"), "optim.name", "sgd or adamw")
     require(cfg.optim.lr > 0, "optim.lr", "> 0")
     require(cfg.optim.weight_decay >= 0, "optim.weight_decay", ">= 0")
@@ -302,6 +319,8 @@ def check_values(cfg, source):
     require(list(cfg.sched.milestones) == sorted(cfg.sched.milestones) and all(m > 0 for m in cfg.sched.milestones),
             "sched.milestones", "increasing positive epochs")
     require(0 < cfg.sched.gamma <= 1, "sched.gamma", "in (0, 1]")
+    require(cfg.ddp.bucket_cap_mb > 0, "ddp.bucket_cap_mb", "> 0 (MB of gradients per all-reduce)")
+    require(cfg.ddp.comm_hook in COMM_HOOKS, "ddp.comm_hook", ", ".join(COMM_HOOKS))
     require(cfg.device in ("auto", "cpu", "cuda"), "device", "auto, cpu or cuda")
     require(0 <= cfg.seed < 2**31, "seed", "in [0, 2**31)")
     require(bool(cfg.name.strip()), "name", "a non-empty run name")

@@ -1,6 +1,7 @@
 """Stopping together: a stop signal (preemption's SIGTERM, Ctrl-C's SIGINT) or a non-finite loss on any rank stops
 every rank after the same step, where the run can save and exit cleanly."""
 
+import math
 import signal
 import time
 
@@ -19,9 +20,11 @@ class StopVote:
 
     Use as a context manager around training: it catches SIGTERM and SIGINT, which then only ask for a stop. A
     second Ctrl-C more than a second after the first (torchrun passes the first one on as well) quits at once.
+    Entered before the process group is joined, it also holds a signal met during start-up for the first vote;
+    `device` (where the votes are combined) must then be set before it.
     """
 
-    def __init__(self, device):
+    def __init__(self, device=None):
         self.device, self.signal, self.signal_time, self.pending, self.previous_handlers = device, None, 0.0, None, {}
 
     def __enter__(self):
@@ -43,8 +46,12 @@ class StopVote:
     def cast(self, loss, step):
         """Vote on step `step` (this rank's loss of it on the device); return the verdict of the previous vote."""
         verdict = self.count()
-        bad = ~torch.isfinite(loss.detach())
-        flags = torch.stack([bad, torch.full_like(bad, self.signal is not None)]).to(torch.uint8)  # MAX: any rank's
+        if loss.device.type == "cpu":  # reading a CPU loss waits for nothing: two bools, not five small tensor ops
+            flags = torch.tensor([not math.isfinite(loss.item()), self.signal is not None], dtype=torch.uint8)
+        else:
+            bad = ~torch.isfinite(loss.detach())
+            flags = torch.stack([bad, torch.full_like(bad, self.signal is not None)]).to(torch.uint8)
+        # Combined with MAX: any rank's flag.
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True) if dist.is_initialized() else None
         event = None
         if self.device.type == "cuda":  # read later from pinned memory, after an event: the host never stalls

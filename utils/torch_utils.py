@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -27,6 +28,8 @@ RUN_ID = os.getenv("TORCHELASTIC_RUN_ID")  # the torchrun job (--rdzv-id; with -
 DIST_TIMEOUT = timedelta(minutes=10)
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+COMM_HOOKS = {"none": None, "bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
+TORCH_BUCKET_MB = 25  # DDP's default bucket_cap_mb
 
 
 def exit_on_error(script, error):
@@ -97,21 +100,37 @@ def cleanup_distributed():
         dist.destroy_process_group()
 
 
-def set_threads(requested_workers, cores=None, procs_per_machine=LOCAL_WORLD_SIZE):
-    """Split this machine's cores between the processes on it; return (compute threads, DataLoader workers).
+def set_threads(workers="auto", cached=False, device_type="cpu", cores=None, procs_per_machine=LOCAL_WORLD_SIZE):
+    """Split this machine's cores between the processes on it, and each process's between DataLoader workers and
+    compute threads; return (threads, workers, why) where why says how the workers were chosen.
 
-    Each process gets cores // procs_per_machine cores: its workers take at most all but one of them and its
-    compute threads the rest, so workers and threads never oversubscribe the machine.
+    Each process gets cores // procs_per_machine cores; its workers take at most all but one, its compute threads
+    the rest, so the machine is never oversubscribed. data.workers=auto picks by what feeds the model (see
+    auto_workers); a number asked for is lowered, with a warning, to what fits.
     """
     cores = cores or cpu_count()
     per_process = max(1, cores // procs_per_machine)
-    workers = min(requested_workers, per_process - 1)
-    if workers < requested_workers:
-        LOGGER.warning(f"data.workers={requested_workers} lowered to {workers}: {cores} cores shared by "
-                       f"{procs_per_machine} process(es) leave {per_process} per process, one of them for compute")
+    if workers == "auto":
+        workers, why = auto_workers(per_process, cached, device_type)
+    else:
+        asked, workers, why = int(workers), min(int(workers), per_process - 1), "data.workers"
+        if workers < asked:
+            LOGGER.warning(f"data.workers={asked} lowered to {workers}: {cores} cores shared by "
+                           f"{procs_per_machine} process(es) leave {per_process} per process, one of them for compute")
     threads = max(1, per_process - workers)
     torch.set_num_threads(threads)
-    return threads, workers
+    return threads, workers, why
+
+
+def auto_workers(cores, cached, device_type):
+    """data.workers=auto for a process with `cores` cores: (workers, why). Measured by benchmarks/data.py: batches
+    gathered from the RAM cache cost little, so every core computes; a GPU computes by itself, so all cores but
+    the feeding one decode; on a CPU, decoding and the model share the cores half and half."""
+    if cached:
+        return 0, "auto: data.cache=ram, every core computes"
+    if device_type == "cuda":
+        return cores - 1, "auto: the GPU computes, the other cores decode"
+    return cores // 2, "auto: half the cores decode, half compute"
 
 
 def rng_states():
@@ -143,8 +162,9 @@ def init_seeds(seed=0, deterministic=False):
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def smart_DDP(model, device, **options):
-    """Wrap model in DistributedDataParallel behind version checks; options are further DDP arguments."""
+def smart_DDP(model, device, comm_hook="none", bucket_cap_mb=TORCH_BUCKET_MB, **options):
+    """Wrap model in DistributedDataParallel behind version checks; comm_hook names a COMM_HOOKS compression of the
+    gradients' all-reduce, options are further DDP arguments (the recipe's ddp section holds both)."""
     if torch.__version__.startswith("1.12.0"):
         raise RuntimeError("torch==1.12.0 DDP training is not supported due to a known issue; upgrade or "
                            "downgrade torch. See https://github.com/ultralytics/yolov5/issues/8395")
@@ -157,7 +177,17 @@ def smart_DDP(model, device, **options):
     # own per-step broadcast would take them from whichever rank join() picks, which a resume cannot reproduce.
     no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters \
         else {"broadcast_buffers": False}  # renamed in newer torch, which warns about the old name
-    return DDP(model, device_ids=device_ids, output_device=device_ids and device_ids[0], **no_sync, **options)
+    # torch's default size is left to torch: given any size, recent torch (2.14 here) caps the first bucket (the
+    # last layers' gradients) at it too, not at the 1 MB that lets their all-reduce start early.
+    if bucket_cap_mb != TORCH_BUCKET_MB:
+        options["bucket_cap_mb"] = bucket_cap_mb
+    ddp = DDP(model, device_ids=device_ids, output_device=device_ids and device_ids[0], **no_sync, **options)
+    # The hook holds under join() (a rank that has run out runs it on zeros, so its all-reduces still match) and
+    # no_sync() (which skips it). fp16 keeps more bits than bf16 but flushes gradients below 6e-8 to zero unless
+    # train.precision=fp16's loss scale lifts them.
+    if COMM_HOOKS[comm_hook] is not None:
+        ddp.register_comm_hook(None, COMM_HOOKS[comm_hook])  # state None: the hook all-reduces over the default group
+    return ddp
 
 
 def sync_batchnorm(model, enabled, device):
@@ -303,14 +333,27 @@ def broadcast_optimizer_state(optimizer, src=0):
 
 
 def autocast_dtype(precision, device, key="train.precision"):
-    """Autocast dtype for a precision ('fp32' -> None), refusing combinations the device can't run (the error
-    names key, where the precision came from)."""
-    dtype = AUTOCAST_DTYPES[precision]
+    """Autocast dtype for a precision ('fp32' -> None; 'auto' -> native_precision), refusing combinations the
+    device can't run (the error names key, where the precision came from)."""
+    dtype = AUTOCAST_DTYPES[native_precision(device) if precision == "auto" else precision]
     if dtype is torch.float16 and device.type != "cuda":
         raise UsageError(f"{key}={precision} needs a CUDA device; use bf16 on CPU")
     if dtype is torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UsageError(f"{key}={precision} is not supported by this GPU; use fp16")
     return dtype
+
+
+def native_precision(device, cpuinfo="/proc/cpuinfo"):
+    """precision=auto: the fastest precision this device trains in at fp32's accuracy. GPUs compute bf16 (else
+    fp16) on tensor cores; a CPU runs bf16 faster than fp32 only with AMX or AVX512-BF16 instructions, without
+    which oneDNN converts to fp32 and back (benchmarks/compute.py measures both)."""
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    try:
+        flags = set(open(cpuinfo).read().split())
+    except OSError:  # not Linux: no way to ask, so the precision every CPU runs at full speed
+        return "fp32"
+    return "bf16" if flags & {"amx_bf16", "avx512_bf16"} else "fp32"
 
 
 def inference_precision(requested, trained, device):
