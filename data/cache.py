@@ -73,12 +73,21 @@ def cached_datasets(train_source, val_source, cfg, seed, val_transform):
 
 def decode_all(source, transform):
     """Every image of source as a uint8 (C, H, W) tensor, decoded by a thread per core (decoders release the
-    GIL); an unreadable image raises the loader's error, which names it."""
+    GIL); an unreadable image raises the loader's error, which names it. Stops as soon as the images decoded so
+    far outgrow the memory available, before the machine runs out."""
     def load(i):
         image = source[i][0]
         return v2.functional.to_image(transform(image) if transform else image).as_subclass(torch.Tensor)
+    images, nbytes, budget = [], 0, memory_budget()
     with ThreadPoolExecutor(cpu_count()) as pool:
-        return list(pool.map(load, range(len(source))))
+        for image in pool.map(load, range(len(source))):
+            images.append(image)
+            nbytes += image.nbytes
+            if budget is not None and nbytes > budget:
+                pool.shutdown(cancel_futures=True)
+                raise too_big(f"the first {len(images)} of {len(source)} images take {nbytes / 2**30:.1f} GiB",
+                              budget)
+    return images
 
 
 def stack_padded(images, sizes, edge=False):
@@ -96,14 +105,24 @@ def stack_padded(images, sizes, edge=False):
     return stacked
 
 
-def check_memory(nbytes):
-    """Refuse a cache that would not fit in the memory available now."""
+def memory_budget():
+    """Bytes the cache may take: MEMORY_SHARE of the memory available now (None where that cannot be read)."""
     pages = os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else None
-    available = pages * os.sysconf("SC_PAGE_SIZE") if pages else None
-    if available and nbytes > MEMORY_SHARE * available:
-        raise SharedError(f"data.cache=ram needs {nbytes / 2**30:.1f} GiB for the decoded images, more than "
-                          f"{MEMORY_SHARE:.0%} of the {available / 2**30:.1f} GiB available; set data.cache=none "
-                          f"to decode per image")
+    return MEMORY_SHARE * pages * os.sysconf("SC_PAGE_SIZE") if pages else None
+
+
+def check_memory(nbytes):
+    """Refuse a cache of nbytes that would not fit in the memory available now."""
+    budget = memory_budget()
+    if budget is not None and nbytes > budget:
+        raise too_big(f"the decoded images need {nbytes / 2**30:.1f} GiB", budget)
+
+
+def too_big(what, budget):
+    """The error for a cache that does not fit, naming the key and the way out."""
+    available = budget / MEMORY_SHARE / 2**30
+    return SharedError(f"data.cache=ram: {what}, more than {MEMORY_SHARE:.0%} of the {available:.1f} GiB of memory "
+                       f"available; set data.cache=none to decode per image")
 
 
 def keep_batch(batch):

@@ -116,5 +116,15 @@ def test_cache_refuses_per_image_augmentation_and_too_much_memory():
         load_recipe("cls.yaml", ["data.cache=disk"])
     with pytest.raises(RecipeError, match="data.workers must be auto or a number >= 0, got 'some'"):
         load_recipe("cls.yaml", ["data.workers=some"])
-    with pytest.raises(SharedError, match=r"data.cache=ram needs 1024.0 GiB .*set data.cache=none to"):
+    with pytest.raises(SharedError, match=r"data.cache=ram: the decoded images need 1024.0 GiB, more than 80% of "
+                                          r"the .* GiB of memory available; set data.cache=none to decode per image"):
         check_memory(2**40)
+
+
+def test_decoding_into_the_cache_stops_once_the_images_outgrow_the_memory(tmp_path, monkeypatch):
+    import data.cache
+
+    folder = ramp_folder(tmp_path, SIZES)  # 8 images of 1.3 to 4.8 kB each, decoded
+    monkeypatch.setattr(data.cache, "memory_budget", lambda: 5000)
+    with pytest.raises(SharedError, match=r"data.cache=ram: the first [2-4] of 8 images take 0.0 GiB, more than 80%"):
+        RamImages(ImageFolder(str(folder)), None, crop_spec(data_cfg(img_size=16)))
