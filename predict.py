@@ -37,7 +37,7 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=int, default=32, help="images per forward pass")
     parser.add_argument("--workers", type=int, default=min(4, cpu_count() - 1), help="image-decoding processes")
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="autocast (default: the recipe's)")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda (GPU LOCAL_RANK), or GPU N as N or cuda:N")
     parser.add_argument("--project", default="runs/predict", help="results go to project/name")
     parser.add_argument("--name", default="exp", help="run name, incremented (exp, exp2, ...) when taken")
     return parser.parse_args(argv)

@@ -7,7 +7,10 @@ Usage:
 """
 
 import argparse
+import glob
+import os
 import shlex
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -127,14 +130,16 @@ def prepare_run(args):
 def read_resume(resume, project):
     """Rank 0: (run directory, checkpoint path, checkpoint) for --resume."""
     path = find_resume_checkpoint(resume, project)
-    return str(run_dir_of(path)), str(path), load_training_checkpoint(path)
+    ckpt = load_training_checkpoint(path)
+    check_latest(path, ckpt)
+    return str(run_dir_of(path)), str(path), ckpt
 
 
 def read_restarted_run(project, name):
     """Rank 0: (run directory, last.pt path, checkpoint) of this torchrun job's run, Nones where there is none."""
-    runs = [d for d in Path(project).glob(f"{name}*") if (d / ".torchrun_id").is_file()]
+    runs = [d for d in Path(project).glob(f"{glob.escape(name)}*") if (d / ".torchrun_id").is_file()]
     for run_dir in sorted(runs, key=lambda d: d.stat().st_mtime, reverse=True):
-        if (run_dir / ".torchrun_id").read_text() == RUN_ID:
+        if (run_dir / ".torchrun_id").read_text() == job_id():
             last = run_dir / "weights" / "last.pt"
             return (str(run_dir), str(last), load_training_checkpoint(last)) if last.exists() else (str(run_dir),
                                                                                                    None, None)
@@ -169,6 +174,9 @@ def train(cfg, vote, dtype, run_dir=None, resume=None):
     state = TrainState(model, optimizer, build_scheduler(optimizer, cfg.sched, cfg.train.epochs, steps),
                        grad_scaler(device, dtype))
     if cfg.train.ema_decay:
+        if cfg.train.ema_steps > cfg.train.epochs * steps:
+            raise SharedError(f"train.ema_steps={cfg.train.ema_steps} is more than the run's {cfg.train.epochs * steps} "
+                              f"steps ({cfg.train.epochs} epochs of {steps}): the EMA would never be updated; lower it")
         state.ema = model_ema(model, cfg.train.ema_decay, cfg.train.ema_steps, cfg.train.batch_size, cfg.train.epochs)
     if resume:
         restore(state, *resume, classes, cfg.train.epochs)
@@ -286,13 +294,14 @@ def train_one_epoch(state, loader, normalize, mix, criterion, dtype, cfg, epoch,
             loss_sum += loss
             seen += len(targets)
             state.step = step + 1
-            if state.ema is not None and state.step % cfg.train.ema_steps == 0:
-                update_ema(state.ema, state.model, warmup=epoch < cfg.sched.warmup_epochs)
+            global_step = epoch * most + state.step
+            if state.ema is not None and global_step % cfg.train.ema_steps == 0:  # the run's steps: short epochs too
+                update_ema(state.ema, state.model, warmup=global_step < cfg.sched.warmup_epochs * most)
             if step < fewest:  # every rank takes this step, so all can vote, log and save (collectives) after it
                 stop = check_vote(vote.cast(loss, step), epoch, most)
                 if cfg.train.log_every_steps and state.step % cfg.train.log_every_steps == 0:  # before a save
-                    log_loss(state, logger, epoch * most + state.step, loss_before, loss_sum, seen)
-                if stop or wants_save(cfg.train.save_every_steps, epoch * most + state.step, state.step, most):
+                    log_loss(state, logger, global_step, loss_before, loss_sum, seen)
+                if stop or wants_save(cfg.train.save_every_steps, global_step, state.step, most):
                     stop = check_vote(vote.settle(weights_sum(state.model)), epoch, most) or stop  # never save NaN
                     state.epoch_loss = add_epoch_loss(loss_before, loss_sum, seen, device)
                     save("last.pt")  # here, in the loop: leaving join() would sync the model from another rank
@@ -307,6 +316,8 @@ def train_one_epoch(state, loader, normalize, mix, criterion, dtype, cfg, epoch,
     if not stop:
         stop = check_vote(vote.settle(tail_loss, most - 1), epoch, most)
         state.step = most  # also on a rank that took one step fewer
+        if fewest < most and cfg.train.log_every_steps and most % cfg.train.log_every_steps == 0:
+            log_loss(state, logger, (epoch + 1) * most, loss_before, loss_sum, seen)  # the step not every rank took
         state.epoch_loss = add_epoch_loss(loss_before, loss_sum, seen, device)
         if stop:
             save("last.pt")
@@ -493,6 +504,35 @@ def start_from(model, path, num_classes):
     LOGGER.info(f"{colorstr('model:')} weights from {path}{head}")
 
 
+def job_id():
+    """What tells this torchrun job from any other: its run id, or under static rendezvous (--master-addr and
+    --master-port without --rdzv-id), where every job's run id is 'none', the launching agent (host and process),
+    which stays the same across its restarts and holds rank 0 on node 0."""
+    if RUN_ID != "none":
+        return RUN_ID
+    return f"none:{socket.gethostname()}:{os.getppid()}"
+
+
+def check_latest(path, ckpt):
+    """--resume continues a run only from its latest state: not from best.pt's EMA weights, and not from an older
+    checkpoint, which would rewind the run (drop later results and overwrite last.pt)."""
+    last = run_dir_of(path) / "weights" / "last.pt"
+    if ckpt.get("model_source", "training") != "training":
+        raise UsageError(f"--resume {path}: it holds the EMA of the weights (a best.pt), not the training state; "
+                         f"resume from {last}")
+    if last.is_file() and not last.samefile(path):
+        latest = load_training_checkpoint(last)
+        if (latest["epoch"], latest["step"]) != (ckpt["epoch"], ckpt["step"]):
+            raise UsageError(f"--resume {path}: not the run's latest state (saved {saved_at(ckpt)}, {last} "
+                             f"{saved_at(latest)}); resuming from it would rewind the run. Resume from {last}, or "
+                             f"start a new run from its weights with model.weights={path}")
+
+
+def saved_at(ckpt):
+    """Where in its run a checkpoint was saved, in a few words."""
+    return f"at epoch {ckpt['epoch'] + 1}, step {ckpt['step']}" if ckpt["step"] else f"after epoch {ckpt['epoch']}"
+
+
 def make_run_dir(cfg):
     """Rank 0 claims project/name (exp, exp2, ...) and saves the resolved recipe there; every rank gets the path."""
     def claim():
@@ -501,7 +541,7 @@ def make_run_dir(cfg):
             (run_dir / "weights").mkdir()
             (run_dir / "recipe.yaml").write_text(recipe_to_yaml(cfg))
             if RUN_ID is not None:  # lets a torchrun restart of this job find its run
-                (run_dir / ".torchrun_id").write_text(RUN_ID)
+                (run_dir / ".torchrun_id").write_text(job_id())
         except OSError as e:
             raise UsageError(f"project={cfg.project!r} name={cfg.name!r}: cannot create the run directory: "
                              f"{e}") from None

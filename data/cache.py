@@ -1,41 +1,63 @@
-"""data.cache=ram: a dataset decoded once into one uint8 tensor, and batches gathered from it by indexing.
+"""data.cache=ram: a dataset decoded once into one flat uint8 tensor, and batches gathered from it per batch.
 
-Training images are stored as decoded (CIFAR's padded crop: resized to data.img_size first, which is not random),
-and their crop and flip run per batch on the training device (transforms.crop_batch), drawn from the same
-per-sample seeds as the per-image path: each sample gets the same crop box and flip either way, and pixels differ
-only by interpolation (roi_align against PIL's resize), so a run stays exact at any number of processes and on
-resume. Validation images are stored after their transforms, which are not random: exactly the per-image path's.
-DataLoader workers, forked, share the tensor without copying it.
+Training images are stored no larger than their crops need (store_side: the shorter side bounded from data.img_size
+and data.scale, antialiased, never upscaled; CIFAR's padded crop: resized to data.img_size first, which is not
+random), each at its own size, and their crop and flip run per batch on the training device (transforms.crop_batch),
+drawn from the same per-sample seeds as the per-image path: crop boxes are drawn on each image's original size and
+scaled to the stored one, so each sample gets the same crop box and flip either way, and pixels differ only by
+interpolation (roi_align on the stored image against PIL's resize of the original), so a run stays exact at any
+number of processes and on resume. A batch is padded only to its own largest image. Validation images are stored
+after their transforms, which are not random: exactly the per-image path's. DataLoader workers, forked, share the
+tensor without copying it.
+
+Each process on a machine holds its own copy, so the memory budget (memory_budget) is the least of the memory
+available and the container's room, shared by the processes on the machine.
 """
 
-import os
+import math
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
 from data.sampler import sample_seed
 from data.transforms import crop_batch, crop_params, crop_spec
 from utils.general import LOGGER, SharedError, colorstr, cpu_count
+from utils.memory import MEMORY_SHARE, memory_budget, size_text
 
-MEMORY_SHARE = 0.8  # of the memory available at start-up that the cache may take
+MEASURE = "measure"  # RamImages' default budget: memory_budget() when it is made
 
 
 class RamImages(Dataset):
-    """A dataset's images, decoded (and with `transform`, transformed) once into one uint8 (N, C, H, W) tensor,
-    smaller images padded to the largest; loaders fetch whole batches (__getitems__). With a crop spec (training),
-    a batch also holds each sample's crop box and flip, for crop_batch on the device."""
+    """A dataset's images, decoded (and with `transform`, transformed) once into one flat uint8 tensor, each image
+    (C, H, W) at its own size; loaders fetch whole batches (__getitems__), padded to the batch's largest image. With
+    a crop spec (training), images are stored as store_transform makes them, and a batch also holds each sample's
+    crop box and flip and the stored image's scale, for crop_batch on the device. budget: the Budget this cache and
+    `used` bytes cached before it must fit (None: no check)."""
 
-    def __init__(self, source, transform=None, spec=None, seed=0):
+    def __init__(self, source, transform=None, spec=None, seed=0, budget=MEASURE, used=0):
         self.classes, self.root, self.spec, self.seed, self.epoch = source.classes, source.root, spec, seed, 0
         self.samples = getattr(source, "samples", None)  # image files, where the source has them
         self.targets = torch.as_tensor(source.targets, dtype=torch.int64)
-        images = decode_all(source, transform)
-        self.sizes = torch.tensor([image.shape[1:] for image in images])
-        self.images = stack_padded(images, self.sizes, edge=spec is not None and not spec.padding)
+        store = store_transform(spec) if spec is not None else None
+        sizes, images = decode_all(source, transform, store, memory_budget() if budget == MEASURE else budget, used)
+        self.stored = torch.tensor([image.shape[1:] for image in images], dtype=torch.int64).view(-1, 2)
+        # crop_params draws on the size the per-image path crops: the original image's, or for padded crops the
+        # resized one, which is the stored one.
+        self.sizes = torch.tensor(sizes, dtype=torch.int64).view(-1, 2) if spec and not spec.padding else self.stored
+        self.channels = images[0].shape[0] if images else 3
+        self.edge = spec is not None and not spec.padding  # see gather
+        self.pixels, self.offsets = pack(images)
+        uniform = len(images) and bool((self.stored == self.stored[0]).all())
+        self.images = self.pixels.view(-1, self.channels, *self.stored[0].tolist()) if uniform else None
+        self.scales = (self.stored / self.sizes).float()  # (N, 2): stored over drawn size, per axis (y, x)
+
+    @property
+    def nbytes(self):
+        """Bytes the cached images take."""
+        return self.pixels.nbytes
 
     def set_epoch(self, epoch):
         """Choose the epoch whose crops the next batches draw (workers are not persistent: each epoch sees it)."""
@@ -43,14 +65,33 @@ class RamImages(Dataset):
 
     def __getitems__(self, ids):
         """A batch of ids (copy k of image i is id i + k * len(self), as SeededSamples'): (images, targets), and
-        for training the (N, 5) crop params drawn from each id's seed for this epoch."""
+        for training the (N, 5) crop params drawn from each id's seed for this epoch on the image's original size,
+        and the (N, 2) scales that map them to the stored image."""
         ids = np.asarray(ids, dtype=np.uint64)
         index = torch.from_numpy((ids % len(self)).astype(np.int64))
         if self.spec is None:
-            return self.images[index], self.targets[index]
+            return self.gather(index), self.targets[index]
         sizes = self.sizes[index]
         params = crop_params(sample_seed(self.seed, self.epoch, ids), sizes[:, 0], sizes[:, 1], self.spec)
-        return self.images[index], self.targets[index], torch.from_numpy(params)
+        return self.gather(index), self.targets[index], torch.from_numpy(params), self.scales[index]
+
+    def gather(self, index):
+        """The images of index as one (N, C, H, W) tensor of the batch's largest height and width, each image in
+        its top-left corner; the rest is zeros, or for resized crops its border pixels repeated (interpolating at a
+        crop's edge then reads the image's own edge, not black; for padded crops, outside the image is zeros, as
+        the per-image path's padding is)."""
+        if self.images is not None:  # every image one size: one indexing op
+            return self.images[index]
+        sizes, pixels, c = self.stored[index], self.pixels.numpy(), self.channels
+        height, width = sizes.max(0).values.tolist()
+        # numpy: copies of one image are too small to gain from torch's threads, which only contend for the cores.
+        batch = np.zeros((len(index), c, height, width), dtype=np.uint8)
+        for out, start, (h, w) in zip(batch, self.offsets[index.numpy()].tolist(), sizes.tolist()):
+            out[:, :h, :w] = pixels[start : start + c * h * w].reshape(c, h, w)
+            if self.edge:
+                out[:, :h, w:] = out[:, :h, w - 1 : w]
+                out[:, h:] = out[:, h - 1 : h]
+        return torch.from_numpy(batch)
 
     def __getitem__(self, i):
         return tuple(value[0] for value in self.__getitems__([i]))
@@ -59,70 +100,92 @@ class RamImages(Dataset):
         return len(self.targets)
 
 
+def store_side(spec):
+    """The most pixels the shorter side of a training image is stored with, for RandomResizedCrop's crops."""
+    # Detail over memory: a crop covers at least data.scale[0] of the image's area, so at img_size / sqrt(that)
+    # even the smallest crop reads img_size^2 stored pixels or more and is upsampled only where the original is too
+    # small itself (at 0.08 that is 3.5 x img_size: ImageNet-sized photos stay whole, larger ones shrink). The
+    # 1.15 x img_size of fast loaders would halve a 500x375 photo's bytes at 224 but leave a 0.08 crop about a
+    # tenth of img_size^2 pixels, upsampled some 3-fold per side, where the per-image path reads the original.
+    return math.ceil(spec.size / math.sqrt(spec.scale[0]))
+
+
+def store_transform(spec):
+    """How training images are stored: for padded crops resized to data.img_size (the per-image path's first
+    step), else with a shorter side above store_side(spec) resized down to it (antialiased); smaller ones as they
+    are."""
+    if spec.padding:
+        return v2.Resize(spec.size, antialias=True)
+    side = store_side(spec)
+
+    def store(image):
+        return v2.functional.resize(image, [side], antialias=True) if min(v2.functional.get_size(image)) > side \
+            else image
+    return store
+
+
 def cached_datasets(train_source, val_source, cfg, seed, val_transform):
-    """data.cache=ram: the training and validation sets (without transforms) as RamImages."""
-    spec = crop_spec(cfg)
-    store = v2.Resize(cfg.img_size, antialias=True) if spec.padding else None  # padded crops take resized images
-    train_set = RamImages(train_source, store, spec, seed)
-    val_set = RamImages(val_source, val_transform)
-    megabytes = (train_set.images.nbytes + val_set.images.nbytes) / 2**20
+    """data.cache=ram: the training and validation sets (without transforms) as RamImages, which together must fit
+    this process's memory budget."""
+    spec, budget = crop_spec(cfg), memory_budget()
+    train_set = RamImages(train_source, None, spec, seed, budget)
+    val_set = RamImages(val_source, val_transform, budget=budget, used=train_set.nbytes)
+    resized = int((train_set.stored != train_set.sizes).any(1).sum()) if not spec.padding else 0
+    bound = f" ({resized} resized to a shorter side of {store_side(spec)} px)" if resized else ""
     LOGGER.info(f"{colorstr('data:')} cached {len(train_set)} train and {len(val_set)} val images in memory "
-                f"({megabytes:.1f} MB; data.cache=ram)")
+                f"({size_text(train_set.nbytes + val_set.nbytes)} in each process: "
+                f"{size_text(per_image(train_set))} per train image{bound}, {size_text(per_image(val_set))} per val "
+                f"image; data.cache=ram)")
     return train_set, val_set
 
 
-def decode_all(source, transform):
-    """Every image of source as a uint8 (C, H, W) tensor, decoded by a thread per core (decoders release the
-    GIL); an unreadable image raises the loader's error, which names it. Stops as soon as the images decoded so
-    far outgrow the memory available, before the machine runs out."""
+def per_image(dataset):
+    """Mean bytes an image of a RamImages takes."""
+    return dataset.nbytes / max(len(dataset), 1)
+
+
+def decode_all(source, transform, store, budget, used=0):
+    """(sizes, images): every image of source as a uint8 (C, H, W) tensor, after transform and store, and its
+    (height, width) before store; decoded by a thread per core (decoders release the GIL); an unreadable image
+    raises the loader's error, which names it. Stops as soon as used + the images decoded so far outgrow budget,
+    before the machine runs out."""
     def load(i):
         image = source[i][0]
-        return v2.functional.to_image(transform(image) if transform else image).as_subclass(torch.Tensor)
-    images, nbytes, budget = [], 0, memory_budget()
+        image = transform(image) if transform else image
+        size = tuple(v2.functional.get_size(image))
+        image = store(image) if store else image
+        return size, v2.functional.to_image(image).as_subclass(torch.Tensor)
+    sizes, images, nbytes = [], [], used
     with ThreadPoolExecutor(cpu_count()) as pool:
-        for image in pool.map(load, range(len(source))):
+        for size, image in pool.map(load, range(len(source))):
+            sizes.append(size)
             images.append(image)
             nbytes += image.nbytes
-            if budget is not None and nbytes > budget:
+            if budget is not None and nbytes > budget.nbytes:
                 pool.shutdown(cancel_futures=True)
-                raise too_big(f"the first {len(images)} of {len(source)} images take {nbytes / 2**30:.1f} GiB",
-                              budget)
-    return images
+                before = f", {size_text(nbytes)} with the {size_text(used)} cached before them" if used else ""
+                raise too_big(f"the first {len(images)} of {len(source)} images take {size_text(nbytes - used)}"
+                              f"{before}", budget)
+    return sizes, images
 
 
-def stack_padded(images, sizes, edge=False):
-    """One (N, C, H, W) tensor of the largest height and width, each image in its top-left corner; the rest is
-    zeros, or with edge its border pixels repeated (so that interpolating at a crop's edge reads the image's own
-    edge, not black)."""
-    height, width = sizes.max(0).values.tolist()
-    check_memory(len(images) * images[0].shape[0] * height * width)
-    stacked = torch.zeros(len(images), images[0].shape[0], height, width, dtype=torch.uint8)
+def pack(images):
+    """(pixels, offsets): every image's pixels in one flat uint8 tensor, image i at offsets[i]:offsets[i + 1].
+    Each image is let go of (its list entry cleared) once copied, so memory holds little more than one copy."""
+    offsets = np.cumsum([0] + [image.numel() for image in images])
+    pixels = torch.empty(int(offsets[-1]), dtype=torch.uint8)
     for i, image in enumerate(images):
-        h, w = image.shape[1:]
-        if edge and (h, w) != (height, width):
-            image = F.pad(image[None].float(), (0, width - w, 0, height - h), mode="replicate")[0]
-        stacked[i, :, : image.shape[1], : image.shape[2]] = image
-    return stacked
-
-
-def memory_budget():
-    """Bytes the cache may take: MEMORY_SHARE of the memory available now (None where that cannot be read)."""
-    pages = os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else None
-    return MEMORY_SHARE * pages * os.sysconf("SC_PAGE_SIZE") if pages else None
-
-
-def check_memory(nbytes):
-    """Refuse a cache of nbytes that would not fit in the memory available now."""
-    budget = memory_budget()
-    if budget is not None and nbytes > budget:
-        raise too_big(f"the decoded images need {nbytes / 2**30:.1f} GiB", budget)
+        pixels[offsets[i] : offsets[i + 1]].view(image.shape).copy_(image)
+        images[i] = None
+    return pixels, offsets
 
 
 def too_big(what, budget):
-    """The error for a cache that does not fit, naming the key and the way out."""
-    available = budget / MEMORY_SHARE / 2**30
-    return SharedError(f"data.cache=ram: {what}, more than {MEMORY_SHARE:.0%} of the {available:.1f} GiB of memory "
-                       f"available; set data.cache=none to decode per image")
+    """The error for a cache that does not fit, with its numbers, where the budget comes from, and the way out."""
+    shared = f", shared by the {budget.processes} processes on this machine" if budget.processes > 1 else ""
+    return SharedError(f"data.cache=ram: {what}, more than this process's budget of {size_text(budget.nbytes)} "
+                       f"({MEMORY_SHARE:.0%} of the {size_text(budget.room)} {budget.source}{shared}); set "
+                       f"data.cache=none to decode per image")
 
 
 def keep_batch(batch):
@@ -133,5 +196,5 @@ def keep_batch(batch):
 def batch_to(batch, device, spec):
     """A loader's batch on device as (uint8 images, targets); the RAM cache's training batches are cropped and
     flipped there (crop_batch)."""
-    images, targets, *params = (tensor.to(device, non_blocking=True) for tensor in batch)
-    return (crop_batch(images, params[0], spec) if params else images), targets
+    images, targets, *crop = (tensor.to(device, non_blocking=True) for tensor in batch)
+    return (crop_batch(images, crop[0], spec, *crop[1:]) if crop else images), targets

@@ -113,10 +113,11 @@ class SeededCropFlip:
         return TF.horizontal_flip(image) if flip else image
 
 
-def crop_batch(images, params, spec):
+def crop_batch(images, params, spec, scales=None):
     """The RAM cache's training crop and flip of a uint8 batch (N, C, H, W) on its device, from crop_params'
     (N, 5) params: one indexing op for padded windows, one roi_align (bilinear, averaging when it shrinks) for
-    resized crops, instead of a Python call per image."""
+    resized crops, instead of a Python call per image. scales (N, 2), (y, x): how much smaller each stored image
+    is than the one its resized crop was drawn on; its box is scaled to match, in fractional pixels."""
     top, left, h, w, flip = params.unbind(1)
     n, size = len(images), spec.size
     if spec.padding:
@@ -126,7 +127,10 @@ def crop_batch(images, params, spec):
         cropped = padded[torch.arange(n, device=images.device)[:, None, None], :, rows[:, :, None],
                          cols[:, None, :]].permute(0, 3, 1, 2)  # (N, size, size, C) -> (N, C, size, size)
     else:
-        boxes = torch.stack([torch.arange(n, device=images.device), left, top, left + w, top + h], 1).float()
+        boxes = torch.stack([left, top, left + w, top + h], 1).float()
+        if scales is not None:  # edges map to edges: a resize by s moves pixel edge x to x * s
+            boxes = boxes * scales.float().flip(1).repeat(1, 2)
+        boxes = torch.cat([torch.arange(n, device=images.device, dtype=boxes.dtype)[:, None], boxes], 1)
         cropped = roi_align(images.float(), boxes, size, aligned=True).round_().clamp_(0, 255).to(torch.uint8)
     return torch.where(flip.bool()[:, None, None, None], cropped.flip(-1), cropped).contiguous()
 

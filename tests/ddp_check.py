@@ -40,7 +40,7 @@ from utils.torch_utils import (RANK, WORLD_SIZE, cleanup_distributed, de_paralle
 # last case all-reduces through a comm hook, which join() must match for the rank that has run out, after no_sync().
 CASES = [(3, 2, []), (9, 4, []), (21, 4, []), (9, 4, ["ddp.comm_hook=bf16", "train.accumulate=2"])]
 # Recipe overrides whose training must give the same weights at 1 and 2 processes (20 images, global batch 8); all
-# but per_image read cls.yaml's RAM cache, whose crops (data.scale) run per batch.
+# but per_image read cls.yaml's RAM cache, whose random crops (data.scale=[0.5,1.0]) run per batch.
 TECHNIQUES = {"accumulate": ["train.accumulate=2"],
               "mix_and_repeats": ["data.mixup_alpha=0.4", "data.cutmix_alpha=1.0", "data.repeats=2"],
               "plain": [], "per_image": ["data.cache=none"]}
@@ -105,7 +105,7 @@ def run_technique(overrides, device=torch.device("cpu"), epochs=2):
     the flat weights and the number of gradient all-reduces (DDP comm hook calls) and optimizer steps."""
     init_seeds(0)
     cfg = load_recipe("cls.yaml", [f"train.epochs={epochs}", "model.width=4", "model.depth=2", "model.norm=none",
-                                   "train.batch_size=8", *overrides])
+                                   "train.batch_size=8", "data.scale=[0.5,1.0]", *overrides])
     train_set = images(20, 2)
     if cfg.data.cache == "ram":
         train_set.classes, train_set.root, train_set.targets = [0, 1, 2], "images", train_set.tensors[1].tolist()

@@ -153,3 +153,37 @@ def test_a_signal_during_start_up_stops_the_run_after_its_first_steps_with_a_che
     saved = load_checkpoint(tmp_path / "exp" / "weights" / "last.pt")
     assert (saved["epoch"], saved["step"]) == (0, 2)  # the vote of step 1 is counted after step 2
     assert "Stopped at epoch 1, step 2/4" in log.text
+
+
+def test_resume_refuses_a_checkpoint_that_is_not_the_runs_latest_state(tmp_path, capsys):
+    weights = tmp_path / "run" / "weights"
+    weights.mkdir(parents=True)
+    cfg = load_recipe("cls.yaml", ["model.width=4", "train.ema_decay=0.9", "train.ema_steps=1"])
+    state = train_state(cfg)
+    state.ema = train.model_ema(state.model, 0.9, 1, 64, 10)
+    saved_state(state, cfg, weights / "best.pt")  # epoch 1, step 3
+    state.step = 4
+    train.save_state(state, cfg, ["a", "b"], 17, [weights / "last.pt"])
+    code, err = resume(capsys, weights / "best.pt")
+    assert code == 2 and err == (f"train.py: error: --resume {weights / 'best.pt'}: not the run's latest state (saved "
+                                 f"at epoch 2, step 3, {weights / 'last.pt'} at epoch 2, step 4); resuming from it "
+                                 f"would rewind the run. Resume from {weights / 'last.pt'}, or start a new run from "
+                                 f"its weights with model.weights={weights / 'best.pt'}\n")
+    train.save_state(state, cfg, ["a", "b"], 17, [weights / "best.pt"], best_from_ema=True)  # the same position
+    code, err = resume(capsys, weights / "best.pt")
+    assert code == 2 and "best.pt: it holds the EMA of the weights (a best.pt), not the training state; resume " \
+                         f"from {weights / 'last.pt'}" in err
+    assert load_checkpoint(weights / "last.pt")["step"] == 4  # nothing was overwritten
+
+
+def test_a_static_rendezvous_restart_never_takes_another_jobs_run(tmp_path, monkeypatch):
+    # Under --master-addr/--master-port without --rdzv-id, every torchrun job's run id is 'none'.
+    monkeypatch.setattr(train, "RUN_ID", "none")
+    other = tmp_path / "exp"
+    (other / "weights").mkdir(parents=True)
+    (other / ".torchrun_id").write_text("none")  # written by another static job before this fix
+    assert train.read_restarted_run(tmp_path, "exp") == (None, None, None)
+    cfg = load_recipe("cls.yaml", [f"project={tmp_path}"])
+    ours = train.make_run_dir(cfg)
+    assert ours.name == "exp2" and (ours / ".torchrun_id").read_text() == f"none:{os.uname().nodename}:{os.getppid()}"
+    assert train.read_restarted_run(tmp_path, "exp") == (str(ours), None, None)  # this launch's own restart finds it

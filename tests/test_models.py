@@ -111,26 +111,29 @@ def test_resnet18_cifar_by_name():
 
 @pytest.fixture
 def fake_timm(monkeypatch):
-    """A stand-in for the optional timm package: one model, 'tiny', recording how it was asked for."""
+    """A stand-in for the optional timm package with its API (is_model, create_model) and two models, recording how
+    they were asked for: what is checked is our side, not timm's models."""
     timm = types.ModuleType("timm")
     timm.__spec__ = importlib.machinery.ModuleSpec("timm", None)
     timm.calls = []
-    timm.is_model = lambda name: name == "tiny"
+    timm.is_model = lambda name: name in ("tiny", "vit_tiny")
 
     def create_model(name, pretrained, num_classes, **kw):
-        timm.calls.append((name, pretrained, num_classes))
-        return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.LazyLinear(num_classes))
+        timm.calls.append((name, pretrained, num_classes, kw))
+        return torch.nn.Identity()
     timm.create_model = create_model
     monkeypatch.setitem(sys.modules, "timm", timm)
     return timm
 
 
-def test_timm_models_by_name_when_timm_is_installed(fake_timm):
+def test_timm_models_are_checked_by_name_and_built_without_download(fake_timm):
     assert load_recipe("cls.yaml", ["model.name=timm/tiny"]).model.name == "timm/tiny"
-    assert build(name="timm/tiny")(torch.randn(2, 3, 8, 8)).shape == (2, 7)
-    assert fake_timm.calls == [("tiny", False, 7)]  # never pretrained: nothing is downloaded
     with pytest.raises(RecipeError, match=r"model.name='timm/tinny': timm has no model of that name"):
         load_recipe("cls.yaml", ["model.name=timm/tinny"])
+    build(name="timm/tiny")
+    build_model(OmegaConf.structured(ModelConfig(name="timm/vit_tiny")), 7, img_size=64)
+    # Never pretrained: nothing is downloaded. A ViT is built for the recipe's image size, as torchvision's are.
+    assert fake_timm.calls == [("tiny", False, 7, {}), ("vit_tiny", False, 7, {"img_size": 64})]
 
 
 def test_timm_model_without_timm_says_how_to_install_it(monkeypatch):

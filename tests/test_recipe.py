@@ -182,3 +182,21 @@ def test_resume_may_change_ddp_buckets_but_not_the_comm_hook():
     assert cfg.ddp.bucket_cap_mb == 100 and cfg.ddp.gradient_as_bucket_view
     with pytest.raises(RecipeError, match="ddp.comm_hook='bf16' cannot change on resume"):
         load_resumed_recipe(saved, ["ddp.comm_hook=bf16"])
+
+
+def test_device_takes_a_gpu_index_from_the_command_line_and_from_yaml(tmp_path, monkeypatch):
+    import torch
+
+    from utils.torch_utils import select_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    # device=1 reaches OmegaConf as an int, from the command line and from YAML alike
+    recipes = [load_recipe("cls.yaml", ["device=1"]), load_recipe("cls.yaml", ["device=cuda:1"]),
+               load_recipe(str(write(tmp_path / "r.yaml", "base: cls.yaml\ndevice: 1\n")))]
+    assert [cfg.device for cfg in recipes] == ["1", "cuda:1", "1"]
+    assert all(select_device(cfg.device, local_world_size=1) == torch.device("cuda", 1) for cfg in recipes)
+    expected = "device must be auto, cpu, cuda, cuda:N or a GPU index N, got "
+    with pytest.raises(RecipeError, match=r"^.*cls.yaml \(with command-line overrides\): " + expected + "'gpu'$"):
+        load_recipe("cls.yaml", ["device=gpu"])
+    with pytest.raises(RecipeError, match=f"^{tmp_path / 'r.yaml'}: {expected}'0,1'$"):
+        load_recipe(str(write(tmp_path / "r.yaml", "base: cls.yaml\ndevice: 0,1\n")))

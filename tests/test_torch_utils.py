@@ -1,17 +1,24 @@
-"""Process set-up: device choice, backend, threads, seeds, DDP version checks, mixed precision, run dirs."""
+"""Process set-up: device choice, threads, seeds, version checks, mixed precision, run dirs."""
 
+import os
+import random
+import re
+
+import numpy as np
 import pytest
 import torch
 
 import utils.torch_utils as tu
+from conftest import ROOT
 from utils.general import UsageError, increment_path
 
 
 def test_auto_device_is_cpu_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert tu.select_device("auto") == torch.device("cpu")
-    with pytest.raises(UsageError, match="CUDA is not available"):
-        tu.select_device("cuda")
+    for device in ("cuda", "0", 0, "cuda:1"):
+        with pytest.raises(UsageError, match=f"^device='{device}' but CUDA is not available here; use device=cpu"):
+            tu.select_device(device)
 
 
 def test_cuda_device_follows_local_rank(monkeypatch):
@@ -23,9 +30,66 @@ def test_cuda_device_follows_local_rank(monkeypatch):
         tu.select_device("cuda", local_rank=4)
 
 
-def test_backend_is_gloo_for_cpu_tensors_and_nccl_for_gpu_tensors():
-    assert tu.distributed_backend(cuda_available=True) == "cpu:gloo,cuda:nccl"
-    assert tu.distributed_backend(cuda_available=False) == "gloo"
+def test_a_gpu_index_picks_that_gpu_for_one_process_per_machine(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for device, index in (("0", 0), (1, 1), ("cuda:1", 1), ("cuda:0", 0)):  # 1: OmegaConf's int from device=1
+        assert tu.select_device(device, local_rank=0, local_world_size=1) == torch.device("cuda", index)
+    with pytest.raises(UsageError, match=r"^device='2' but only 2 GPU\(s\) are visible here \(0 to 1\); choose one"):
+        tu.select_device("2", local_world_size=1)
+    with pytest.raises(UsageError, match=r"^--device='cuda:7' but only 2 GPU"):
+        tu.select_device("cuda:7", key="--device", local_world_size=1)
+    # Under torchrun with two processes here, each takes GPU LOCAL_RANK: one index for both is refused.
+    assert tu.select_device("cuda", local_rank=1, local_world_size=2) == torch.device("cuda", 1)
+    with pytest.raises(UsageError, match="^device='cuda:1' names one GPU for the 2 processes on this machine; use "
+                                         "device=cuda .* CUDA_VISIBLE_DEVICES$"):
+        tu.select_device("cuda:1", local_rank=1, local_world_size=2)
+
+
+@pytest.mark.parametrize("device", ["gpu", "0,1", "cuda:", "cuda:-1", "-1", "CPU", ""])
+def test_a_device_that_is_none_of_the_choices_is_named(device):
+    expected = f"--device must be auto, cpu, cuda, cuda:N or a GPU index N, got '{device}'"
+    with pytest.raises(UsageError, match=f"^{re.escape(expected)}$"):
+        tu.select_device(device, key="--device")
+
+
+@pytest.mark.parametrize("current, minimum, pinned, expected", [
+    ("2.4", "2.4", False, True), ("2.4.0", "2.4", True, True),  # equal, however many zeros
+    ("2.3.1", "2.4", False, False), ("1.13.1", "2.4", False, False),  # older
+    ("2.14.1", "2.4", False, True), ("10.0", "9.1", False, True),  # newer: compared as numbers, not as strings
+    ("2.14.1+cu130", "2.4", False, True), ("2.14.1+cu130", "2.14.1", True, True),  # a local build is its release
+    ("1.12.0+cu113", "1.12.0", True, True), ("2.4.0a0+3bcc3cd", "2.4", False, True),  # NVIDIA's containers' torch
+    ("2.3.1+cpu", "2.4", False, False), ("1.12.1", "1.12.0", True, False), ("2.5.0", "2.4", True, False),
+])
+def test_check_version_compares_releases(current, minimum, pinned, expected):
+    assert tu.check_version(current, minimum, pinned=pinned) is expected
+
+
+def test_check_version_hard_names_the_package_the_version_found_and_the_one_required():
+    assert tu.check_version("2.14.1+cu130", "2.4", "torch ", hard=True)
+    with pytest.raises(UsageError, match=re.escape("torch 2.4 or newer is required, but torch 2.3.1+cpu is installed; "
+                                                   "upgrade it (see requirements.txt)")):
+        tu.check_version("2.3.1+cpu", "2.4", "torch ", hard=True)
+    with pytest.raises(UsageError, match=re.escape("version 1.12.0 is required, but version 1.13.1 is installed; "
+                                                   "install that version")):
+        tu.check_version("1.13.1", "1.12.0", pinned=True, hard=True)
+
+
+def test_train_and_val_refuse_a_torch_older_than_the_requirements(monkeypatch, tmp_path, capsys):
+    import train
+    import val
+
+    assert f"torch>={tu.TORCH_MINIMUM}\n" in (ROOT / "requirements.txt").read_text()
+    monkeypatch.setattr(torch, "__version__", "2.3.1+cu121")
+    # Arguments that fail fast past the check: the version must be refused first.
+    argv = {"train.py": ["--recipe", "cls.yaml", "optim.lrr=0.1", f"project={tmp_path}"],
+            "val.py": ["--weights", str(tmp_path / "x.pt")]}
+    for script, main in (("train.py", train.main), ("val.py", val.main)):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv[script])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err == (f"{script}: error: torch 2.4 or newer is required, but torch 2.3.1+cu121 is "
+                                           f"installed; upgrade it (see requirements.txt)\n")
 
 
 def test_sync_bn_converts_batchnorm_on_several_gpus_and_refuses_cpu(monkeypatch):
@@ -40,9 +104,6 @@ def test_sync_bn_converts_batchnorm_on_several_gpus_and_refuses_cpu(monkeypatch)
 
 
 def test_rng_states_survive_a_weights_only_checkpoint(tmp_path):
-    import random
-
-    import numpy as np
     tu.init_seeds(3)
     torch.save({"rng": tu.rng_states()}, tmp_path / "rng.pt")
     expected = (random.random(), np.random.rand(), torch.rand(2))
@@ -83,11 +144,24 @@ def test_auto_workers_follow_the_data_path_and_device():
         torch.set_num_threads(before)
 
 
-def test_init_seeds_repeats_random_streams():
-    tu.init_seeds(5)
-    a = torch.rand(3)
-    tu.init_seeds(5)
-    assert torch.equal(a, torch.rand(3))
+def test_init_seeds_repeats_every_random_stream_and_asks_for_deterministic_kernels(monkeypatch):
+    draws = lambda: (random.random(), np.random.rand(), torch.rand(1).item())
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # restored afterwards, as are the flags below
+    flags = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.benchmark)
+    try:
+        tu.init_seeds(5)
+        first = draws()
+        assert torch.backends.cudnn.benchmark and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+        tu.init_seeds(5, deterministic=True)
+        assert draws() == first
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert not torch.backends.cudnn.benchmark and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        tu.init_seeds(6)
+        assert all(a != b for a, b in zip(draws(), first))
+    finally:
+        torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
+        torch.backends.cudnn.benchmark = flags[2]
 
 
 def test_autocast_dtype_per_precision_and_device():
@@ -114,24 +188,11 @@ def test_auto_precision_is_bf16_only_where_the_hardware_computes_in_it(tmp_path,
         assert tu.native_precision(cuda) == precision
 
 
-def test_bf16_autocast_runs_matmuls_in_bf16_on_cpu():
-    cpu = torch.device("cpu")
-    with tu.autocast(cpu, torch.bfloat16):
-        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype is torch.bfloat16
-    with tu.autocast(cpu, None):
-        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype is torch.float32
-
-
-def test_grad_scaler_only_for_fp16():
-    assert not tu.grad_scaler(torch.device("cpu"), None).is_enabled()
-    assert not tu.grad_scaler(torch.device("cpu"), torch.bfloat16).is_enabled()
-    assert tu.grad_scaler(torch.device("cpu"), torch.float16)._enabled  # the object asks for scaling
-
-
-def test_smart_ddp_refuses_torch_1_12_0(monkeypatch):
-    monkeypatch.setattr(torch, "__version__", "1.12.0+cu113")
-    with pytest.raises(RuntimeError, match="1.12.0 .*issues/8395"):
-        tu.smart_DDP(torch.nn.Linear(2, 2), torch.device("cpu"))
+def test_grad_scaler_scales_the_loss_for_fp16_only():
+    loss, cpu = torch.tensor(3.0), torch.device("cpu")
+    assert tu.grad_scaler(cpu, None).scale(loss).item() == 3.0
+    assert tu.grad_scaler(cpu, torch.bfloat16).scale(loss).item() == 3.0  # bf16 has fp32's range: nothing underflows
+    assert tu.grad_scaler(cpu, torch.float16).scale(loss).item() == 3.0 * 2**16  # GradScaler's initial scale
 
 
 def test_de_parallel_returns_plain_module():
@@ -144,6 +205,16 @@ def test_increment_path_claims_next_free_dir(tmp_path):
     assert increment_path(tmp_path / "exp", mkdir=True) == tmp_path / "exp2"
     assert increment_path(tmp_path / "exp", mkdir=True) == tmp_path / "exp3"
     assert increment_path(tmp_path / "exp") == tmp_path / "exp4" and not (tmp_path / "exp4").exists()
+
+
+def test_increment_path_separates_the_number_from_a_name_that_ends_in_a_digit(tmp_path):
+    # adamw-0.0032 would read as a run with another learning rate
+    runs = [increment_path(tmp_path / "adamw-0.003", mkdir=True) for _ in range(3)]
+    assert runs == [tmp_path / "adamw-0.003", tmp_path / "adamw-0.003-2", tmp_path / "adamw-0.003-3"]
+    assert all(run.is_dir() for run in runs)
+    increment_path(tmp_path / "exp", mkdir=True)
+    assert increment_path(tmp_path / "exp", mkdir=True) == tmp_path / "exp2"
+    assert increment_path(tmp_path / "exp2") == tmp_path / "exp2-2"  # not exp22
 
 
 def test_evaluation_falls_back_from_a_precision_the_device_cannot_run():

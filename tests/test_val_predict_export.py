@@ -115,6 +115,21 @@ def test_predict_without_images_is_a_clear_error(best, tmp_path, capfd):
     assert exit_.value.code == 2 and "no images found" in capfd.readouterr().err
 
 
+def test_val_and_predict_choose_the_device_as_training_does(best, tmp_path, monkeypatch, capfd):
+    weights, _ = best
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # one GPU: the index and the value are checked
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    errors = {"cuda:1": "--device='cuda:1' but only 1 GPU(s) are visible here (0 to 0); choose one of them, or see "
+                        "CUDA_VISIBLE_DEVICES",
+              "gpu": "--device must be auto, cpu, cuda, cuda:N or a GPU index N, got 'gpu'"}
+    for script, main, source in (("val.py", val.main, []), ("predict.py", predict.main, ["--source", str(VAL_DIR)])):
+        for device, error in errors.items():
+            with pytest.raises(SystemExit) as exit_:
+                main(["--weights", str(weights), *source, "--device", device, "--project", str(tmp_path)])
+            assert exit_.value.code == 2 and capfd.readouterr().err == f"{script}: error: {error}\n"
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.fixture(scope="module")
 def exported(best, tmp_path_factory):
     """best.pt exported to TorchScript and ONNX with a dynamic batch, in a folder of its own."""

@@ -17,6 +17,7 @@ RECIPES_DIR = ROOT / "recipes"
 SCHEDULES = ("cosine", "step", "multistep", "constant")  # sched.name: the lr's shape after warmup
 COMM_HOOKS = ("none", "bf16", "fp16")  # ddp.comm_hook: the dtype gradients are all-reduced in (none: as they are)
 AUTO_AUGMENTS = ("", "autoaugment", "autoaugment_cifar10", "randaugment", "trivialaugment", "augmix")
+DEVICES = "auto, cpu, cuda, cuda:N or a GPU index N"  # device: what select_device() accepts
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
 
@@ -110,10 +111,10 @@ class Recipe:
     optim: OptimConfig = field(default_factory=OptimConfig)
     sched: SchedConfig = field(default_factory=SchedConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
-    device: str = "auto"  # auto (CUDA when present), cpu or cuda; under torchrun LOCAL_RANK picks the GPU
+    device: str = "auto"  # auto (CUDA when present), cpu, cuda (GPU LOCAL_RANK); one process per machine: N or cuda:N
     seed: int = 0  # seeds model init, data order and augmentation
     project: str = "runs/train"  # runs are saved to project/name
-    name: str = "exp"  # run name, incremented (exp, exp2, ...) when taken
+    name: str = "exp"  # run name, incremented when taken: exp, exp2, ...; lr0.1, lr0.1-2, ... (ends in a digit)
 
 
 # What a resumed run may change: none of these changes what the run has trained so far.
@@ -186,6 +187,13 @@ def suggest(error):
     return f" (did you mean '{prefix + '.' if prefix else ''}{match[0]}'?)" if match else ""
 
 
+def parse_device(device):
+    """(type, GPU index or None) of a device value: auto, cpu, cuda, cuda:N or N (OmegaConf may give an int); None
+    for anything else."""
+    match = re.fullmatch(r"(auto|cpu|cuda)|(?:cuda:)?(\d+)", str(device))
+    return None if match is None else (match[1], None) if match[1] else ("cuda", int(match[2]))
+
+
 def parse_overrides(overrides):
     """OmegaConf dot-list ('optim.lr=0.05') to a config, with a clear error for a malformed pair."""
     for item in overrides:
@@ -249,6 +257,12 @@ def checked(cfg, source):
     return cfg
 
 
+def nearest_multiples(value, factor):
+    """The multiples of factor just below and above value, in words ('63 or 66')."""
+    below = value // factor * factor
+    return f"{below} or {below + factor}" if below else str(factor)
+
+
 def check_values(cfg, source):
     """Reject values the schema types allow but training can't use, naming the key and the source."""
     from models import check_model_name  # here, not at import: models imports torchvision
@@ -296,7 +310,8 @@ def check_values(cfg, source):
     require(cfg.train.epochs >= 1, "train.epochs", ">= 1")
     require(cfg.train.batch_size >= 1, "train.batch_size", ">= 1")
     require(cfg.train.batch_size % WORLD_SIZE == 0, "train.batch_size",
-            f"a multiple of the {WORLD_SIZE} processes (the global batch is split evenly between them)")
+            f"a multiple of the {WORLD_SIZE} processes (the global batch is split evenly between them), e.g. "
+            f"{nearest_multiples(cfg.train.batch_size, WORLD_SIZE)}")
     require(cfg.train.accumulate >= 1, "train.accumulate", ">= 1 (1: no gradient accumulation)")
     require(cfg.train.batch_size // WORLD_SIZE >= cfg.train.accumulate, "train.accumulate",
             f"at most the per-process batch ({cfg.train.batch_size // WORLD_SIZE}), so no micro-batch is empty")
@@ -321,7 +336,7 @@ def check_values(cfg, source):
     require(0 < cfg.sched.gamma <= 1, "sched.gamma", "in (0, 1]")
     require(cfg.ddp.bucket_cap_mb > 0, "ddp.bucket_cap_mb", "> 0 (MB of gradients per all-reduce)")
     require(cfg.ddp.comm_hook in COMM_HOOKS, "ddp.comm_hook", ", ".join(COMM_HOOKS))
-    require(cfg.device in ("auto", "cpu", "cuda"), "device", "auto, cpu or cuda")
+    require(parse_device(cfg.device) is not None, "device", DEVICES)
     require(0 <= cfg.seed < 2**31, "seed", "in [0, 2**31)")
     require(bool(cfg.name.strip()), "name", "a non-empty run name")
 

@@ -63,11 +63,13 @@ def colorstr(*args):
 
 
 def increment_path(path, mkdir=False):
-    """First free one of path, path2, path3, ... (runs/train/exp -> runs/train/exp2); mkdir=True also claims it,
-    so two runs started at once never share a directory."""
+    """First free one of path, path2, path3, ... (runs/train/exp -> runs/train/exp2), or of path, path-2, ... where
+    path ends in a digit (adamw-0.003 -> adamw-0.003-2); mkdir=True also claims it, so two runs started at once
+    never share a directory."""
     path, n = Path(path), 1
+    separator = "-" if path.name[-1:].isdigit() else ""  # adamw-0.0032 would read as another learning rate
     while True:
-        candidate = path if n == 1 else Path(f"{path}{n}")
+        candidate = path if n == 1 else Path(f"{path}{separator}{n}")
         n += 1
         if candidate.exists():
             continue

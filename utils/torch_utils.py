@@ -3,6 +3,7 @@
 import inspect
 import os
 import random
+import re
 import sys
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -15,7 +16,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.torch_version import TorchVersion
 
+from utils.config import DEVICES, parse_device
 from utils.general import LOGGER, RANK, WORLD_SIZE, SharedError, UsageError, cpu_count, error_line
 
 # Set by torchrun; absent means one process.
@@ -30,6 +33,7 @@ DIST_TIMEOUT = timedelta(minutes=10)
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 COMM_HOOKS = {"none": None, "bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
 TORCH_BUCKET_MB = 25  # DDP's default bucket_cap_mb
+TORCH_MINIMUM = "2.4"  # requirements.txt's torch>=2.4
 
 
 def exit_on_error(script, error):
@@ -42,19 +46,46 @@ def exit_on_error(script, error):
     sys.exit(2)
 
 
-def select_device(device="auto", local_rank=LOCAL_RANK, key="device"):
-    """Return the torch.device for this process: 'auto' picks CUDA when present; a GPU is chosen by LOCAL_RANK.
-    Errors name key, where the choice came from."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
+def select_device(device="auto", local_rank=LOCAL_RANK, key="device", local_world_size=LOCAL_WORLD_SIZE):
+    """Return the torch.device for this process: 'auto' picks CUDA when present, 'cuda' GPU LOCAL_RANK, and a GPU
+    index (0, cuda:1) that GPU, for one process per machine. Errors name key, where the choice came from."""
+    device, parsed = str(device), parse_device(device)  # str: OmegaConf and YAML may give device=0 as an int
+    if parsed is None:
+        raise UsageError(f"{key} must be {DEVICES}, got {device!r}")
+    kind, index = parsed
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise UsageError(f"{key}={device!r} but CUDA is not available here; use {key}=cpu or {key}=auto")
-    if local_rank >= torch.cuda.device_count():
-        raise UsageError(f"LOCAL_RANK {local_rank} needs GPU {local_rank}, but only "
-                           f"{torch.cuda.device_count()} GPU(s) are visible; lower --nproc_per_node")
-    return torch.device("cuda", local_rank)
+    count = torch.cuda.device_count()
+    if index is None:
+        if local_rank >= count:
+            raise UsageError(f"LOCAL_RANK {local_rank} needs GPU {local_rank}, but only {count} GPU(s) are visible; "
+                             f"lower --nproc_per_node")
+        return torch.device("cuda", local_rank)
+    # Every process would take the one GPU: torchrun gives each its own by LOCAL_RANK instead.
+    if local_world_size > 1:
+        raise UsageError(f"{key}={device!r} names one GPU for the {local_world_size} processes on this machine; use "
+                         f"{key}=cuda (each process takes GPU LOCAL_RANK) and choose the GPUs with "
+                         f"CUDA_VISIBLE_DEVICES")
+    if index >= count:
+        raise UsageError(f"{key}={device!r} but only {count} GPU(s) are visible here (0 to {count - 1}); choose one "
+                         f"of them, or see CUDA_VISIBLE_DEVICES")
+    return torch.device("cuda", index)
+
+
+def check_version(current, minimum, name="version ", pinned=False, hard=False):
+    """Whether version current is at least minimum (pinned: is minimum); hard=True raises a UsageError instead of
+    returning False. Compared by release numbers: 2.14 > 2.4, and local builds (+cu130), pre-releases and dev
+    builds of a release count as it (NVIDIA's containers ship e.g. 2.4.0a0+3bcc3cd)."""
+    current_release, minimum_release = (TorchVersion(re.match(r"\d+(\.\d+)*", str(v))[0]) for v in (current, minimum))
+    ok = current_release == minimum_release if pinned else current_release >= minimum_release
+    if hard and not ok:
+        raise UsageError(f"{name}{minimum}{'' if pinned else ' or newer'} is required, but {name}{current} is "
+                         f"installed; {'install that version' if pinned else 'upgrade it'} (see requirements.txt)")
+    return ok
 
 
 def distributed_backend(cuda_available):
@@ -63,11 +94,13 @@ def distributed_backend(cuda_available):
 
 
 def setup_distributed():
-    """Join the process group that torchrun describes in the environment; nothing to do for one process.
+    """Check torch's version, then join the process group that torchrun describes in the environment; nothing to
+    join for one process.
 
     Joined before the recipe is read, so rank 0 alone can read a checkpoint and share it; object collectives
     and barriers use gloo, so the device need not be chosen yet.
     """
+    check_version(torch.__version__, TORCH_MINIMUM, "torch ", hard=True)  # first: an older one fails later, unclearly
     if WORLD_SIZE > 1 and not dist.is_initialized():
         dist.init_process_group(backend=distributed_backend(torch.cuda.is_available()), timeout=DIST_TIMEOUT,
                                 **restart_store())
@@ -165,9 +198,9 @@ def init_seeds(seed=0, deterministic=False):
 def smart_DDP(model, device, comm_hook="none", bucket_cap_mb=TORCH_BUCKET_MB, **options):
     """Wrap model in DistributedDataParallel behind version checks; comm_hook names a COMM_HOOKS compression of the
     gradients' all-reduce, options are further DDP arguments (the recipe's ddp section holds both)."""
-    if torch.__version__.startswith("1.12.0"):
-        raise RuntimeError("torch==1.12.0 DDP training is not supported due to a known issue; upgrade or "
-                           "downgrade torch. See https://github.com/ultralytics/yolov5/issues/8395")
+    if check_version(torch.__version__, "1.12.0", "torch ", pinned=True):
+        raise UsageError("torch==1.12.0 DDP training is not supported due to a known issue; upgrade or "
+                         "downgrade torch. See https://github.com/ultralytics/yolov5/issues/8395")
     device_ids = [device.index] if device.type == "cuda" else None  # device_ids must be None for CPU modules
     # No static_graph: with it, a rank that joins (join(), for uneven shares) before its first step of a DDP
     # instance, as one resumed on an epoch's last step can, mismatches the others' collectives; and it measured

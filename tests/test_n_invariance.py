@@ -1,0 +1,76 @@
+"""A recipe means the same run at any number of processes: one epoch at N=1, 2 and 3, whose last step is partial and
+unevenly shared, on both data paths, against the float rounding that one thread instead of two gives."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import run_python, run_torchrun
+from utils.checkpoint import load_checkpoint
+
+PATHS = ("ram", "none")  # data.cache: crops per batch on the device, or per image as loaded
+
+
+def write_images(root):
+    """37 training images of two sizes (smooth, so crops and flips change them) in 2 classes, and a small val set."""
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 37), ("val", 6)):
+        for i in range(n):
+            h, w = (12, 12) if i % 3 else (10, 15)
+            y, x = np.mgrid[:h, :w]
+            phase = rng.uniform(0, 6.28, 3)
+            pixels = np.stack([127 + 120 * np.sin(x / 2 + y * (i % 2) + p) for p in phase], -1).astype(np.uint8)
+            folder = root / split / "ab"[i % 2]
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(pixels).save(folder / f"{i:02d}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{launch: project}: N=1 on two threads and on one, N=2 and N=3, each having trained both paths."""
+    base = tmp_path_factory.mktemp("n")
+    data = write_images(base / "data")
+    launches = {"1": lambda p: run_python("tests/n_invariance.py", p, data),
+                "1, one thread": lambda p: run_python("tests/n_invariance.py", p, data, "one-core"),
+                "2": lambda p: run_torchrun("tests/n_invariance.py", p, data, nproc=2),
+                "3": lambda p: run_torchrun("tests/n_invariance.py", p, data, nproc=3)}
+    projects = {}
+    for name, launch in launches.items():
+        projects[name] = base / name.replace(", ", "-").replace(" ", "")
+        result = launch(projects[name])
+        assert result.returncode == 0, name + result.stdout[-2000:] + result.stderr[-3000:]
+    return projects
+
+
+def weights(project, path):
+    model = load_checkpoint(project / path / "weights" / "last.pt")["model"]
+    return torch.cat([t.flatten().double() for t in model.values()])
+
+
+def step_losses(project, path):
+    events = EventAccumulator(str(project / path), size_guidance={"scalars": 0}).Reload()
+    return {e.step: e.value for e in events.Scalars("train/loss_step")}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_two_and_three_processes_train_what_one_does_up_to_float_rounding(runs, path):
+    reference = weights(runs["1"], path)
+    rounding = (weights(runs["1, one thread"], path) - reference).abs().max().item()
+    moved = (reference - weights(runs["1"], "none" if path == "ram" else "ram")).abs().max().item()
+    tolerance = 10 * max(rounding, 1e-6)
+    assert moved > 100 * tolerance  # the two paths' pixels differ (interpolation): a split batch would show as much
+    for n in ("2", "3"):
+        assert (weights(runs[n], path) - reference).abs().max().item() <= tolerance, (n, rounding)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_process_count_logs_every_steps_loss(runs, path):
+    reference = step_losses(runs["1"], path)
+    assert sorted(reference) == [1, 2, 3, 4]  # every step, the last one too, which only rank 0 takes at N > 1
+    for n in ("2", "3"):
+        losses = step_losses(runs[n], path)
+        assert losses.keys() == reference.keys()
+        assert all(abs(losses[s] - reference[s]) < 1e-5 for s in reference), n
