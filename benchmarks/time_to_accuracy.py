@@ -5,7 +5,7 @@ gloo process group: what any PyTorch training launched this way pays before its 
 --rounds times, alternated, and the medians are compared; every training run must end at the recipe's
 accuracy (--min-top1) or the script fails. Also compares 1 process with 2, and fp32 with bf16, side by side.
 
-    python benchmarks/time_to_accuracy.py [--rounds 3] [--min-top1 0.992] [key=value ...]
+    python benchmarks/time_to_accuracy.py [--rounds 3] [--min-top1 0.99] [key=value ...]
 """
 
 import argparse
@@ -55,7 +55,7 @@ def training(nproc, overrides, min_top1):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3, help="runs of each side, alternated (medians compared)")
-    parser.add_argument("--min-top1", type=float, default=0.992, help="val top-1 every training run must end at")
+    parser.add_argument("--min-top1", type=float, default=0.99, help="val top-1 every training run must end at")
     parser.add_argument("overrides", nargs="*", help="recipe overrides for every training run")
     args = parser.parse_args()
     sides = {"floor, 2 processes": lambda: floor(2),

@@ -145,7 +145,7 @@ def test_resume_may_change_only_what_cannot_change_the_run_so_far():
     cfg = load_resumed_recipe(saved, ["train.epochs=20", "data.workers=2", "project=elsewhere"])
     assert cfg.train.epochs == 20 and cfg.data.workers == "2" and cfg.optim.lr == saved["optim"]["lr"]
     with pytest.raises(RecipeError, match=r"command line: optim.lr=0.5 cannot change on resume: the run so far was "
-                                          r"trained with optim.lr=0.1; only train.epochs, .* may change"):
+                                          rf"trained with optim.lr={saved['optim']['lr']}; only train.epochs, .* may change"):
         load_resumed_recipe(saved, ["optim.lr=0.5"])
     with pytest.raises(RecipeError, match="unknown key 'optim.lrr'"):
         load_resumed_recipe(saved, ["optim.lrr=0.5"])
