@@ -11,6 +11,7 @@ ONNX needs the optional packages of requirements-export.txt (onnx, onnxscript, o
 """
 
 import argparse
+import importlib.util
 import inspect
 import json
 import os
@@ -23,8 +24,8 @@ from data.transforms import preprocessing, val_size
 from models import model_from_checkpoint
 from utils.checkpoint import load_model_checkpoint
 from utils.config import checkpoint_recipe
+from utils.distributed import exit_on_error
 from utils.general import LOGGER, UsageError, colorstr
-from utils.torch_utils import exit_on_error
 
 SUFFIXES = {"torchscript": ".torchscript", "onnx": ".onnx"}
 ATOL, RTOL = 1e-4, 1e-3  # exported logits must match PyTorch's within ATOL + RTOL * |PyTorch's| (fp32 on the CPU)
@@ -95,8 +96,6 @@ def export(args):
 
 def check_onnx_packages():
     """ONNX export and its check need optional packages: name the missing ones and how to install them."""
-    import importlib.util
-
     missing = [name for name in ONNX_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
         raise UsageError(f"--format onnx needs {', '.join(missing)} (not installed): pip install -r "

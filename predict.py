@@ -23,8 +23,10 @@ from data.verify import UNREADABLE, decode, unreadable_reason
 from models import model_from_checkpoint
 from utils.checkpoint import load_model_checkpoint
 from utils.config import checkpoint_recipe
+from utils.distributed import exit_on_error
 from utils.general import LOGGER, UsageError, colorstr, cpu_count, format_table, increment_path
-from utils.torch_utils import autocast, exit_on_error, inference_precision, select_device, set_device
+from utils.precision import autocast, inference_precision
+from utils.torch_utils import select_device, set_device
 
 MAX_ROWS_SHOWN = 50  # more predictions are saved but not printed
 

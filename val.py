@@ -20,11 +20,12 @@ from data.transforms import normalizer, val_transforms
 from models import model_from_checkpoint
 from utils.checkpoint import load_model_checkpoint, position
 from utils.config import checkpoint_recipe
-from utils.general import LOGGER, UsageError, colorstr, format_table, increment_path, short_path
+from utils.distributed import cleanup_distributed, exit_on_error, on_rank0, setup_distributed
+from utils.general import LOGGER, RANK, WORLD_SIZE, UsageError, colorstr, format_table, increment_path, short_path
 from utils.metrics import evaluate, per_class
 from utils.plots import confusion_figure, save_figure
-from utils.torch_utils import (RANK, WORLD_SIZE, cleanup_distributed, exit_on_error, inference_precision, on_rank0,
-                               select_device, set_device, set_threads, setup_distributed)
+from utils.precision import inference_precision
+from utils.torch_utils import select_device, set_device, set_threads
 
 MAX_CLASSES_SHOWN = 50  # more classes are saved to per_class.csv but not printed
 

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from models import build_model  # noqa: E402
+from models import build_model, check_model_name  # noqa: E402
 from utils.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from utils.config import load_recipe  # noqa: E402
 from utils.optim import build_optimizer, build_scheduler  # noqa: E402
@@ -38,7 +38,7 @@ def timed(fn):
 
 def measure(name, img_size, rounds, folder):
     """(median step, save and load seconds, checkpoint MB) for model `name`."""
-    cfg = load_recipe("cls.yaml", [f"model.name={name}", f"data.img_size={img_size}"])
+    cfg = load_recipe("cls.yaml", [f"model.name={name}", f"data.img_size={img_size}"], model_check=check_model_name)
     model = build_model(cfg.model, 10, img_size)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.sched, cfg.train.epochs, STEPS_PER_EPOCH)

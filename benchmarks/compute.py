@@ -34,12 +34,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.datasets import build_datasets, dataset_root  # noqa: E402
 from data.transforms import normalizer, val_transforms  # noqa: E402
-from models import build_model  # noqa: E402
+from models import build_model, check_model_name  # noqa: E402
 from train import TrainState, train_step  # noqa: E402
 from utils.config import load_recipe  # noqa: E402
 from utils.general import cpu_count  # noqa: E402
 from utils.optim import build_optimizer, build_scheduler  # noqa: E402
-from utils.torch_utils import autocast, grad_scaler, init_seeds, memory_format  # noqa: E402
+from utils.precision import autocast, grad_scaler  # noqa: E402
+from utils.seeds import init_seeds  # noqa: E402
+from utils.torch_utils import memory_format  # noqa: E402
 
 DEVICE = torch.device("cpu")
 BARE_THREADS = 2
@@ -112,7 +114,7 @@ def batches(images, targets, count, batch_size=64, seed=0):
 
 def make_sides(name, img_size, steps):
     """{side name: Side} for one model and size, all from one initialisation."""
-    cfg = load_recipe("cls.yaml", [f"model.name={name}", f"data.img_size={img_size}"])
+    cfg = load_recipe("cls.yaml", [f"model.name={name}", f"data.img_size={img_size}"], model_check=check_model_name)
     init_seeds(cfg.seed)
     model = build_model(cfg.model, 10, img_size)
     sides = {BARE: Side(copy.deepcopy(model), cfg, steps, bare=True)}

@@ -33,9 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import build_model  # noqa: E402
 from train import TrainState, train_step  # noqa: E402
 from utils.config import load_recipe  # noqa: E402
+from utils.distributed import cleanup_distributed, gather_object, setup_distributed  # noqa: E402
+from utils.general import RANK, WORLD_SIZE  # noqa: E402
 from utils.optim import build_optimizer, build_scheduler  # noqa: E402
-from utils.torch_utils import (RANK, WORLD_SIZE, cleanup_distributed, gather_object, grad_scaler,  # noqa: E402
-                               setup_distributed, smart_DDP)
+from utils.precision import grad_scaler  # noqa: E402
+from utils.torch_utils import smart_DDP  # noqa: E402
 
 # name: (overrides, training steps per side and round): a second or two per side and round on one core
 MODELS = {"convnet, 8 px (cls.yaml)": ([], 16), "resnet18, 32 px": (["model.name=resnet18", "data.img_size=32"], 3)}

@@ -35,11 +35,13 @@ from data.cache import batch_to  # noqa: E402
 from data.datasets import build_dataloader, set_epoch, training_datasets  # noqa: E402
 from data.transforms import crop_spec, normalizer  # noqa: E402
 from models import build_model  # noqa: E402
-from train import TrainState, train_one_epoch  # noqa: E402
+from train import Loop, TrainState, train_one_epoch  # noqa: E402
 from utils.config import load_recipe  # noqa: E402
 from utils.optim import build_optimizer, build_scheduler  # noqa: E402
+from utils.precision import autocast_dtype, grad_scaler  # noqa: E402
+from utils.seeds import init_seeds  # noqa: E402
 from utils.stopping import StopVote  # noqa: E402
-from utils.torch_utils import autocast_dtype, grad_scaler, init_seeds, memory_format, set_threads  # noqa: E402
+from utils.torch_utils import memory_format, set_threads  # noqa: E402
 
 BARE, OURS, PLAIN = "bare loop", "train.py", "train.py, recipe as OmegaConf node"
 NAMES = (BARE, OURS, PLAIN)
@@ -77,8 +79,9 @@ class Sides:
             return self.bare_epoch(self.states[name], loader)
         self.states[name].step = 0
         cfg = self.cfg if name == PLAIN else self.plain_cfg  # train() passes the plain dataclass
-        return train_one_epoch(self.states[name], loader, self.normalize, None, self.summed_loss, self.dtype, cfg,
-                               epoch, self.vote, None)[0]  # as train() calls it, without MixUp, EMA or saving
+        loop = Loop(cfg, loader, None, self.normalize, None, self.summed_loss, self.dtype, self.vote, None, None, None,
+                    [], len(loader.sampler))  # as train() builds it, without MixUp, EMA, logging or saving
+        return train_one_epoch(loop, self.states[name], epoch)[0]
 
     def bare_epoch(self, state, loader):
         """The reference: the least a correct training epoch does."""
@@ -100,7 +103,8 @@ class HeldBatches:
 
     def __init__(self, loader):
         set_epoch(loader, 0)
-        self.batches, self.sampler, self.dataset = list(loader), loader.sampler, loader.dataset
+        self.batches, self.sampler, self.dataset, self.generator = list(loader), loader.sampler, loader.dataset, \
+            loader.generator
 
     def __iter__(self):
         return iter(self.batches)

@@ -1,4 +1,5 @@
-"""Datasets and their loaders: the embedded digits set written as an ImageFolder, or any user ImageFolder."""
+"""Datasets and their loaders: the embedded digits set written as an ImageFolder, any user ImageFolder, or CIFAR-10/100
+(data/cifar.py)."""
 
 import os
 import shutil
@@ -13,22 +14,14 @@ from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
+import utils.general
 from data.cache import RamImages, cached_datasets, keep_batch
+from data.cifar import CIFAR, cifar_dataset
 from data.sampler import DistributedShuffleSampler, SeededSamples, seed_hash
 from data.transforms import train_transforms, val_transforms
 from data.verify import UNREADABLE, decode, unreadable_images, unreadable_reason
-from utils.general import LOGGER, ROOT, SharedError, UsageError, colorstr
-from utils.torch_utils import LOCAL_RANK, RANK, WORLD_SIZE, torch_distributed_zero_first
-
-DATASETS_DIR = ROOT / "datasets"
-
-
-class DatasetError(SharedError):
-    """A dataset that cannot be used, with a message naming the path and what is wrong (the same on every rank)."""
-
-
-class ImageError(UsageError):
-    """An image that cannot be read, met by the one rank (or DataLoader worker) that loads it."""
+from utils.distributed import torch_distributed_zero_first
+from utils.general import LOCAL_RANK, LOGGER, RANK, WORLD_SIZE, DatasetError, ImageError, colorstr
 
 
 def write_digits(root):
@@ -54,21 +47,20 @@ def write_digits(root):
 
 
 EMBEDDED = {"digits": write_digits}  # datasets that ship with our requirements, written on first use
-CIFAR_NAMES = ("cifar10", "cifar100")  # read from their own file format under datasets/ (data/cifar.py)
 
 
 def dataset_root(name):
     """ImageFolder root for data.name: an embedded dataset (written once by local rank 0) or a user directory."""
     if name in EMBEDDED:
-        root = DATASETS_DIR / name
+        root = utils.general.DATASETS_DIR / name  # read when called: tests point it elsewhere
         with torch_distributed_zero_first(LOCAL_RANK):  # local rank 0 writes; the others wait, then read
             if not root.exists():
-                DATASETS_DIR.mkdir(parents=True, exist_ok=True)
+                root.parent.mkdir(parents=True, exist_ok=True)
                 EMBEDDED[name](root)
         return root
     root = Path(name)
     if not root.is_dir():
-        raise DatasetError(f"data.name '{name}' is neither a dataset here ({', '.join([*EMBEDDED, *CIFAR_NAMES])}) "
+        raise DatasetError(f"data.name '{name}' is neither a dataset here ({', '.join([*EMBEDDED, *CIFAR])}) "
                            f"nor a directory; give the path of an ImageFolder root holding train/<class>/* and "
                            f"val/<class>/* (nothing is downloaded)")
     return root
@@ -119,8 +111,7 @@ def labelled_as(dataset, classes, unknown_means):
         raise DatasetError(f"{dataset.root}: classes {unknown} {unknown_means}")
     if dataset.classes != list(classes):
         index = {name: i for i, name in enumerate(classes)}
-        dataset.samples = [(path, index[dataset.classes[i]]) for path, i in dataset.samples]
-        dataset.imgs, dataset.targets = dataset.samples, [i for _, i in dataset.samples]
+        set_samples(dataset, [(path, index[dataset.classes[i]]) for path, i in dataset.samples])
         dataset.classes, dataset.class_to_idx = list(classes), index
     return dataset
 
@@ -144,9 +135,14 @@ def skip_unreadable(dataset):
         path, reason = next(iter(bad.items()))
         raise DatasetError(f"{folder}: none of its {len(bad)} images is readable (e.g. {path}: {reason}); replace "
                            f"them with readable images")
-    dataset.samples = [(path, i) for path, i in dataset.samples if path not in bad]  # class indices unchanged
-    dataset.imgs, dataset.targets = dataset.samples, [i for _, i in dataset.samples]
+    set_samples(dataset, [(path, i) for path, i in dataset.samples if path not in bad])  # class indices unchanged
     return bad
+
+
+def set_samples(dataset, samples):
+    """Give an ImageFolder new (path, class index) samples, its imgs and targets to match."""
+    dataset.samples = samples
+    dataset.imgs, dataset.targets = samples, [i for _, i in samples]
 
 
 def skipped_message(skipped, shown=20):
@@ -174,8 +170,7 @@ def build_datasets(root, train_transform, val_transform, skip_corrupt=False):
 def train_val_datasets(name, train_transform, val_transform, skip_corrupt=False):
     """The train and val datasets data.name names: CIFAR-10/100's training and test sets, or an ImageFolder's
     (embedded or the user's) train/ and val/ folders."""
-    if name in CIFAR_NAMES:
-        from data.cifar import cifar_dataset  # which imports this module
+    if name in CIFAR:  # read from their own file format under datasets/ (data/cifar.py)
         return cifar_dataset(name, True, train_transform), cifar_dataset(name, False, val_transform)
     return build_datasets(dataset_root(name), train_transform, val_transform, skip_corrupt)
 
@@ -192,9 +187,8 @@ def training_datasets(cfg, seed):
 def named_eval_dataset(name, split, transform, classes, weights):
     """data.name's split (train, val or test) labelled with the classes a checkpoint (weights) was trained on;
     CIFAR's val is its test set."""
-    if name not in CIFAR_NAMES:
+    if name not in CIFAR:
         return eval_dataset(dataset_root(name), split, transform, classes, weights)
-    from data.cifar import cifar_dataset
     dataset = cifar_dataset(name, split == "train", transform)
     if dataset.classes != list(classes):
         raise DatasetError(f"{name}: its {len(dataset.classes)} classes are not the {len(classes)} classes {weights} "

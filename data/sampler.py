@@ -93,6 +93,14 @@ class DistributedShuffleSampler(Sampler):
         """Samples in global step `step` over all ranks: the batch size, or fewer in the last, partial step."""
         return min(self.batch_size, self.size - step * self.batch_size)
 
+    def micro_batches(self, step, accumulate):
+        """How many micro-batches step `step` is split into: train.accumulate, or fewer where a rank holds fewer
+        samples in an epoch's last step. The same on every rank that takes the step: with join() on, DDP's every
+        forward is a collective."""
+        if self.step_samples(step) == self.batch_size:  # a whole global batch: every rank holds its full share
+            return accumulate
+        return min(accumulate, *(n for n in (self.step_share(step, r) for r in range(self.world_size)) if n))
+
 
 class SeededSamples(Dataset):
     """Wrap a dataset so that sample i's random transforms in epoch e draw from torch's generator seeded by

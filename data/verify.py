@@ -10,8 +10,8 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
-from utils.general import LOGGER, colorstr, cpu_count
-from utils.torch_utils import LOCAL_WORLD_SIZE, RANK, WORLD_SIZE, broadcast_object, gather_object
+from utils.distributed import broadcast_object, gather_object
+from utils.general import LOCAL_WORLD_SIZE, LOGGER, RANK, WORLD_SIZE, colorstr, cpu_count
 
 # What PIL raises for a file it cannot decode (truncated, not an image, corrupt data, a decompression bomb).
 UNREADABLE = (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError)

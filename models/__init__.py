@@ -1,5 +1,5 @@
-"""Networks: build_model() turns the recipe's model section into an nn.Module, load_weights() starts it from a local
-state_dict, check_input_size() tries it once."""
+"""Networks: build_model() turns the recipe's model section into an nn.Module, start_from() and load_weights() start it
+from a local state_dict, check_input_size() tries it once."""
 
 import difflib
 import importlib.util
@@ -12,8 +12,9 @@ from torch import nn
 
 from models.convnet import ConvNet
 from models.resnet_cifar import resnet18_cifar
-from utils.checkpoint import load_checkpoint
-from utils.general import SharedError, UsageError
+from utils.checkpoint import load_checkpoint, state_dict_mismatch
+from utils.distributed import on_rank0
+from utils.general import LOGGER, SharedError, UsageError, colorstr
 
 # Their training-mode output is (logits, aux logits): build them with the main head only, so every model
 # returns plain logits. init_weights=True keeps torchvision's current initialisation and silences its warning.
@@ -113,6 +114,13 @@ def head_keys(model, num_classes):
     return [f"{name}.{k}" for k, _ in layer.named_parameters()]
 
 
+def start_from(model, path, num_classes):
+    """model.weights: rank 0 reads the file and shares it; every rank loads it, the classifier head resized."""
+    resized = load_weights(model, on_rank0(read_weights, path), num_classes, f"model.weights={path}")
+    head = f"; {', '.join(resized)} initialised afresh for {num_classes} classes" if resized else ""
+    LOGGER.info(f"{colorstr('model:')} weights from {path}{head}")
+
+
 def model_from_checkpoint(ckpt, cfg, source):
     """The network a checkpoint holds (built from its recipe cfg, with its weights) in eval mode."""
     model = build_model(cfg.model, len(ckpt["classes"]), cfg.data.img_size)
@@ -120,7 +128,7 @@ def model_from_checkpoint(ckpt, cfg, source):
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
         raise UsageError(f"{source}: its weights do not fit the model of its recipe ({cfg.model.name}): "
-                         f"{str(e).strip().splitlines()[-1].strip()}") from None
+                         f"{state_dict_mismatch(e)}") from None
     return model.eval()
 
 

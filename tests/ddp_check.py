@@ -19,22 +19,25 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.cache import RamImages  # noqa: E402
-from data.datasets import build_dataloader, set_epoch  # noqa: E402
+from data.datasets import build_dataloader  # noqa: E402
 from data.mix import batch_mixer  # noqa: E402
 from data.transforms import crop_spec, normalizer  # noqa: E402
 from models import build_model  # noqa: E402
-from train import TrainState, keep_ranks_in_step, train_one_epoch, train_step  # noqa: E402
+from train import Loop, TrainState, train_one_epoch, train_step  # noqa: E402
 from utils.config import load_recipe  # noqa: E402
+from utils.distributed import cleanup_distributed, keep_ranks_in_step, setup_distributed  # noqa: E402
+from utils.general import RANK, WORLD_SIZE  # noqa: E402
 from utils.metrics import evaluate  # noqa: E402
 from utils.optim import build_optimizer, build_scheduler  # noqa: E402
+from utils.seeds import init_seeds  # noqa: E402
 from utils.stopping import StopVote  # noqa: E402
-from utils.torch_utils import (RANK, WORLD_SIZE, cleanup_distributed, de_parallel, init_seeds,  # noqa: E402
-                               no_sync, setup_distributed, smart_DDP)
+from utils.torch_utils import de_parallel, no_sync, smart_DDP  # noqa: E402
 
 # (training images, global batch, recipe overrides): rank 1 runs out after step 1, 2, 5 and 2 of 2, 3, 6 and 3; the
 # last case all-reduces through a comm hook, which join() must match for the rank that has run out, after no_sync().
@@ -74,9 +77,10 @@ def run_case(n_train, n_val, batch, overrides, epochs, device):
                        torch.amp.GradScaler("cpu", growth_interval=2))
     criterion = torch.nn.CrossEntropyLoss(reduction="sum")
     with StopVote(device) as vote:
+        loop = Loop(OmegaConf.to_object(cfg), train_loader, None, normalize, None, criterion, None, vote, None, None,
+                    None, [0, 1, 2], n_train)  # validated below, not logged or saved
         for epoch in range(epochs):
-            set_epoch(train_loader, epoch)
-            train_one_epoch(state, train_loader, normalize, None, criterion, None, cfg, epoch, vote, None)
+            train_one_epoch(loop, state, epoch)
             keep_ranks_in_step(state, train_loader, epoch)
             state.step = 0
     metrics = scalars(evaluate(model, val_loader, normalize, 3, device))
@@ -121,10 +125,11 @@ def run_technique(overrides, device=torch.device("cpu"), epochs=2):
         state.model = smart_DDP(model, device)
         all_reduces = count_all_reduces(state.model)
     with StopVote(device) as vote:
+        loop = Loop(OmegaConf.to_object(cfg), train_loader, None, normalizer(cfg.data, device),
+                    batch_mixer(cfg.data, 3, 0), torch.nn.CrossEntropyLoss(reduction="sum"), None, vote, None, None,
+                    None, [0, 1, 2], len(train_set))  # no validation, logging or saving
         for epoch in range(epochs):
-            set_epoch(train_loader, epoch)
-            train_one_epoch(state, train_loader, normalizer(cfg.data, device), batch_mixer(cfg.data, 3, 0),
-                            torch.nn.CrossEntropyLoss(reduction="sum"), None, cfg, epoch, vote, None)
+            train_one_epoch(loop, state, epoch)
             state.step = 0
     return {"weights": torch.cat([t.flatten() for t in model.state_dict().values()]).double().tolist(),
             "all_reduces": all_reduces[0], "steps": scheduler.last_epoch}

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 import utils.checkpoint  # noqa: E402
 import utils.stopping  # noqa: E402
-from utils.torch_utils import RANK, RESTART_COUNT  # noqa: E402
+from utils.general import RANK, RESTART_COUNT  # noqa: E402
 
 counts = {"save": 0, "step": 0}
 

@@ -10,8 +10,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import train  # noqa: E402
 from utils.config import load_recipe  # noqa: E402
+from utils.distributed import cleanup_distributed, setup_distributed  # noqa: E402
 from utils.stopping import StopVote  # noqa: E402
-from utils.torch_utils import cleanup_distributed, select_device, setup_distributed  # noqa: E402
+from utils.torch_utils import select_device  # noqa: E402
 
 # 37 images in global batches of 12: 4 steps, the last of one image, which rank 0 takes while the other ranks have
 # run out (DDP's join). GroupNorm and no dropout: nothing in the model depends on how a batch is split. Random crops and flips

@@ -12,8 +12,8 @@ import data.verify
 import train
 import val
 from conftest import run_torchrun
-from data.datasets import DatasetError, ImageError, build_datasets, write_digits
-from utils.general import cpu_count
+from data.datasets import build_datasets, write_digits
+from utils.general import DatasetError, ImageError, cpu_count
 
 TRAIN_ARGS = ("train.epochs=1", "train.batch_size=4", "model.width=4", "data.img_size=8")
 

@@ -8,12 +8,12 @@ from PIL import Image
 from torchvision.datasets import ImageFolder
 
 from data.cache import RamImages, batch_to, keep_batch
-from utils.memory import Budget
-from data.datasets import build_datasets, build_dataloader, set_epoch
+from data.datasets import build_dataloader, build_datasets, set_epoch
 from data.sampler import SeededSamples
 from data.transforms import crop_spec, train_transforms, val_transforms
 from utils.config import DataConfig, RecipeError, load_recipe
 from utils.general import SharedError
+from utils.memory import Budget
 
 
 def data_cfg(**keys):

@@ -11,8 +11,8 @@ from PIL import Image
 from torchvision.datasets import ImageFolder
 
 import data.transforms
+import utils.general
 import utils.memory
-import utils.torch_utils
 from data.cache import RamImages, batch_to, store_side
 from data.sampler import SeededSamples
 from data.transforms import crop_spec, train_transforms
@@ -22,10 +22,8 @@ from utils.memory import MEMORY_SHARE, memory_budget
 
 GiB = 2**30
 
-
 def data_cfg(**keys):
     return OmegaConf.structured(DataConfig(**keys))
-
 
 def smooth_folder(root, sizes):
     """An ImageFolder of smooth images of the given (height, width): ramps across and down, and a few broad waves,
@@ -40,29 +38,24 @@ def smooth_folder(root, sizes):
         Image.fromarray(pixels.round().astype(np.uint8)).save(folder / f"{i:03d}.png")
     return root / "train"
 
-
 # img_size 8 at data.scale [0.25, 1] stores shorter sides of at most 16: bigger ones of both orientations, and
 # smaller ones, kept.
 SIZES = [(48, 64), (12, 10), (70, 40), (16, 30), (33, 33), (9, 14)]
-
 
 def write(path, text):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
 
-
 def meminfo(tmp_path, free_kb, available_kb, cached_kb):
     return write(tmp_path / "meminfo", f"MemTotal:       33554432 kB\nMemFree:        {free_kb} kB\n"
                                        f"MemAvailable:   {available_kb} kB\nBuffers:          102400 kB\n"
                                        f"Cached:         {cached_kb} kB\n")
 
-
 def budget_of(tmp_path, processes=1, self_cgroup="0::/\n"):
     """memory_budget over the fake files under tmp_path (meminfo, cgroup/, self_cgroup)."""
     return memory_budget(tmp_path / "meminfo", tmp_path / "cgroup", write(tmp_path / "self_cgroup", self_cgroup),
                          processes)
-
 
 def test_budget_counts_available_memory_not_free_memory(tmp_path):
     # 1 GiB free, 6 GiB of page cache, of which the kernel says 4 GiB more could be had: 5 GiB available.
@@ -70,7 +63,6 @@ def test_budget_counts_available_memory_not_free_memory(tmp_path):
     budget = budget_of(tmp_path)
     assert budget.room == 5 * GiB and budget.source == "of memory available" and budget.processes == 1
     assert budget.nbytes == pytest.approx(MEMORY_SHARE * 5 * GiB)
-
 
 def test_budget_is_the_room_under_a_lower_cgroup_v2_limit(tmp_path):
     meminfo(tmp_path, free_kb=1 * 2**20, available_kb=5 * 2**20, cached_kb=6 * 2**20)
@@ -86,7 +78,6 @@ def test_budget_is_the_room_under_a_lower_cgroup_v2_limit(tmp_path):
     write(tmp_path / "cgroup" / "memory.max", f"{16 * GiB}\n")
     assert budget_of(tmp_path).room == 5 * GiB
 
-
 def test_budget_takes_the_tightest_of_the_processs_cgroup_and_its_parents(tmp_path):
     meminfo(tmp_path, free_kb=2**20, available_kb=50 * 2**20, cached_kb=0)
     job, step = tmp_path / "cgroup" / "job", tmp_path / "cgroup" / "job" / "step"
@@ -98,7 +89,6 @@ def test_budget_takes_the_tightest_of_the_processs_cgroup_and_its_parents(tmp_pa
     # In a container, /proc/self/cgroup may name the host's path, which the container's own root stands for.
     write(tmp_path / "cgroup" / "memory.max", f"{4 * GiB}\n"), write(tmp_path / "cgroup" / "memory.current", "0\n")
     assert budget_of(tmp_path, self_cgroup="0::/host/slice/abc\n").room == 4 * GiB
-
 
 def test_budget_reads_cgroup_v1_and_a_no_limit_value(tmp_path):
     meminfo(tmp_path, free_kb=2**20, available_kb=5 * 2**20, cached_kb=0)
@@ -113,7 +103,6 @@ def test_budget_reads_cgroup_v1_and_a_no_limit_value(tmp_path):
     (tmp_path / "meminfo").unlink()
     assert budget_of(tmp_path) is None  # not a budget of exabytes
 
-
 def test_budget_with_no_cgroup_limit_or_nothing_to_read(tmp_path):
     meminfo(tmp_path, free_kb=2**20, available_kb=5 * 2**20, cached_kb=0)
     write(tmp_path / "cgroup" / "memory.max", "max\n"), write(tmp_path / "cgroup" / "memory.current", f"{GiB}\n")
@@ -123,15 +112,13 @@ def test_budget_with_no_cgroup_limit_or_nothing_to_read(tmp_path):
     write(tmp_path / "cgroup" / "memory.max", f"{3 * GiB}\n")
     assert budget_of(tmp_path).room == 2 * GiB  # a limit alone still counts
 
-
 def test_budget_is_shared_by_the_processes_on_the_machine(tmp_path, monkeypatch):
     meminfo(tmp_path, free_kb=2**20, available_kb=8 * 2**20, cached_kb=0)
     assert budget_of(tmp_path, processes=4).nbytes == pytest.approx(MEMORY_SHARE * 8 * GiB / 4)
-    assert utils.memory.LOCAL_WORLD_SIZE is utils.torch_utils.LOCAL_WORLD_SIZE  # torchrun's, from the environment
+    assert utils.memory.LOCAL_WORLD_SIZE is utils.general.LOCAL_WORLD_SIZE  # torchrun's, from the environment
     monkeypatch.setattr(utils.memory, "LOCAL_WORLD_SIZE", 3)  # by default, the processes on this machine
     budget = budget_of(tmp_path, processes=None)
     assert budget.processes == 3 and budget.nbytes == pytest.approx(MEMORY_SHARE * 8 * GiB / 3)
-
 
 def test_a_cache_over_budget_says_what_it_needs_the_budget_and_how_it_was_derived(tmp_path):
     folder = smooth_folder(tmp_path / "data", [(12, 12)] * 8)  # 432 bytes each, decoded
@@ -146,7 +133,6 @@ def test_a_cache_over_budget_says_what_it_needs_the_budget_and_how_it_was_derive
                                           r"before them, more than this process's budget of 2.0 KiB"):
         RamImages(ImageFolder(str(folder)), budget=budget, used=1800)  # validation, after the training images
     assert len(RamImages(ImageFolder(str(folder)), budget=None)) == 8  # nothing to read: no check
-
 
 def test_training_images_are_stored_within_the_bound_each_at_its_own_size(tmp_path):
     cfg = data_cfg(img_size=8, scale=[0.25, 1.0])
@@ -167,7 +153,6 @@ def test_training_images_are_stored_within_the_bound_each_at_its_own_size(tmp_pa
     assert images.shape == (2, 3, 16, 30)
     assert torch.equal(images[0, :, :9, 14:], images[0, :, :9, 13:14].expand(3, 9, 16))
     assert torch.equal(images[0, :, 9:], images[0, :, 8:9].expand(3, 7, 30))
-
 
 def test_stored_images_keep_the_per_image_paths_crop_boxes(tmp_path, monkeypatch):
     cfg = data_cfg(img_size=8, scale=[0.25, 1.0], hflip=0.5)
@@ -190,7 +175,6 @@ def test_stored_images_keep_the_per_image_paths_crop_boxes(tmp_path, monkeypatch
             samples[i]
         cache.set_epoch(epoch)
         assert torch.equal(cache.__getitems__(ids)[2], torch.from_numpy(np.concatenate(drawn)))
-
 
 def test_a_crop_of_a_big_stored_image_is_close_to_the_per_image_crop_of_the_original(tmp_path):
     cfg = data_cfg(img_size=16, scale=[0.25, 1.0], hflip=0.5)

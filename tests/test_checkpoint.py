@@ -10,13 +10,16 @@ from omegaconf import OmegaConf
 
 import train
 import utils.checkpoint
+import utils.run
 from models import build_model
-from utils.checkpoint import load_checkpoint, save_checkpoint
+from utils.checkpoint import load_checkpoint, restore, save_checkpoint, save_state
 from utils.config import load_recipe
 from utils.general import SharedError, UsageError
 from utils.optim import build_optimizer, build_scheduler
+from utils.precision import grad_scaler
+from utils.run import make_run_dir, read_restarted_run
 from utils.stopping import StopVote
-from utils.torch_utils import grad_scaler
+from utils.torch_utils import model_ema
 
 
 def train_state(cfg, classes=2):
@@ -31,7 +34,7 @@ def saved_state(state, cfg, path, classes=("a", "b")):
     state.optimizer.step()
     state.scheduler.step()
     state.epoch, state.step = 1, 3
-    train.save_state(state, cfg, list(classes), 17, [path])
+    save_state(state, OmegaConf.to_container(cfg), list(classes), 17, [path])
     return load_checkpoint(path)
 
 
@@ -42,7 +45,7 @@ def test_full_training_state_round_trips_with_weights_only(tmp_path):
     assert ckpt["recipe"] == OmegaConf.to_container(cfg) and ckpt["classes"] == ["a", "b"]
     assert (ckpt["epoch"], ckpt["step"], len(ckpt["rng"]), ckpt["train_images"]) == (1, 3, 1, 17) and "ema" in ckpt
     fresh = train_state(cfg)
-    train.restore(fresh, "last.pt", ckpt, ["a", "b"], cfg.train.epochs)
+    restore(fresh, "last.pt", ckpt, ["a", "b"], cfg.train.epochs)
     assert all(torch.equal(a, b) for a, b in zip(fresh.model.state_dict().values(), state.model.state_dict().values()))
     assert fresh.scheduler.last_epoch == 1 and (fresh.epoch, fresh.step) == (1, 3)
     assert fresh.optimizer.param_groups[0]["lr"] == state.optimizer.param_groups[0]["lr"]
@@ -52,14 +55,14 @@ def test_resume_refuses_other_classes_other_weights_and_a_finished_run(tmp_path)
     cfg = load_recipe("cls.yaml", ["model.width=4", "train.epochs=2"])
     ckpt = saved_state(train_state(cfg), cfg, tmp_path / "last.pt")
     with pytest.raises(SharedError, match=r"trained on 2 classes \['a', 'b'\]..., but the data has 3 classes"):
-        train.restore(train_state(cfg, 3), "last.pt", ckpt, ["a", "b", "c"], 2)
+        restore(train_state(cfg, 3), "last.pt", ckpt, ["a", "b", "c"], 2)
     wider = load_recipe("cls.yaml", ["model.width=8"])
     with pytest.raises(SharedError, match="last.pt: its weights do not fit the model of its recipe: size mismatch"):
-        train.restore(train_state(wider), "last.pt", ckpt, ["a", "b"], 2)
+        restore(train_state(wider), "last.pt", ckpt, ["a", "b"], 2)
     ckpt["epoch"], ckpt["step"] = 2, 0
     with pytest.raises(SharedError, match="has already trained all 2 epochs; to train longer, resume with "
                                           r"train.epochs=N \(N > 2\)"):
-        train.restore(train_state(cfg), "last.pt", ckpt, ["a", "b"], 2)
+        restore(train_state(cfg), "last.pt", ckpt, ["a", "b"], 2)
 
 
 def resume(capsys, *argv):
@@ -143,9 +146,9 @@ def test_a_signal_during_start_up_stops_the_run_after_its_first_steps_with_a_che
     root = image_folder({"train": {"a": 8, "b": 8}, "val": {"a": 2, "b": 2}}, size=8)
     prepare_run = train.prepare_run
 
-    def interrupted(args):  # Ctrl-C while the recipe is read, before data, model and run directory exist
+    def interrupted(*args):  # Ctrl-C while the recipe is read, before data, model and run directory exist
         os.kill(os.getpid(), signal.SIGINT)
-        return prepare_run(args)
+        return prepare_run(*args)
     monkeypatch.setattr(train, "prepare_run", interrupted)
     with pytest.raises(SystemExit) as stopped:
         train.main(["--recipe", "cls.yaml", f"data.name={root}", "train.batch_size=4", "model.width=4",
@@ -161,16 +164,16 @@ def test_resume_refuses_a_checkpoint_that_is_not_the_runs_latest_state(tmp_path,
     weights.mkdir(parents=True)
     cfg = load_recipe("cls.yaml", ["model.width=4", "train.ema_decay=0.9", "train.ema_steps=1"])
     state = train_state(cfg)
-    state.ema = train.model_ema(state.model, 0.9, 1, 64, 10)
+    state.ema = model_ema(state.model, 0.9, 1, 64, 10)
     saved_state(state, cfg, weights / "best.pt")  # epoch 1, step 3
     state.step = 4
-    train.save_state(state, cfg, ["a", "b"], 17, [weights / "last.pt"])
+    save_state(state, OmegaConf.to_container(cfg), ["a", "b"], 17, [weights / "last.pt"])
     code, err = resume(capsys, weights / "best.pt")
     assert code == 2 and err == (f"train.py: error: --resume {weights / 'best.pt'}: not the run's latest state (saved "
                                  f"at epoch 2, step 3, {weights / 'last.pt'} at epoch 2, step 4); resuming from it "
                                  f"would rewind the run. Resume from {weights / 'last.pt'}, or start a new run from "
                                  f"its weights with model.weights={weights / 'best.pt'}\n")
-    train.save_state(state, cfg, ["a", "b"], 17, [weights / "best.pt"], best_from_ema=True)  # the same position
+    save_state(state, OmegaConf.to_container(cfg), ["a", "b"], 17, [weights / "best.pt"], best_from_ema=True)  # the same position
     code, err = resume(capsys, weights / "best.pt")
     assert code == 2 and "best.pt: it holds the EMA of the weights (a best.pt), not the training state; resume " \
                          f"from {weights / 'last.pt'}" in err
@@ -179,12 +182,12 @@ def test_resume_refuses_a_checkpoint_that_is_not_the_runs_latest_state(tmp_path,
 
 def test_a_static_rendezvous_restart_never_takes_another_jobs_run(tmp_path, monkeypatch):
     # Under --master-addr/--master-port without --rdzv-id, every torchrun job's run id is 'none'.
-    monkeypatch.setattr(train, "RUN_ID", "none")
+    monkeypatch.setattr(utils.run, "RUN_ID", "none")
     other = tmp_path / "exp"
     (other / "weights").mkdir(parents=True)
     (other / ".torchrun_id").write_text("none")  # written by another static job before this fix
-    assert train.read_restarted_run(tmp_path, "exp") == (None, None, None)
+    assert read_restarted_run(tmp_path, "exp") == (None, None, None)
     cfg = load_recipe("cls.yaml", [f"project={tmp_path}"])
-    ours = train.make_run_dir(cfg)
+    ours = make_run_dir(cfg)
     assert ours.name == "exp2" and (ours / ".torchrun_id").read_text() == f"none:{os.uname().nodename}:{os.getppid()}"
-    assert train.read_restarted_run(tmp_path, "exp") == (str(ours), None, None)  # this launch's own restart finds it
+    assert read_restarted_run(tmp_path, "exp") == (str(ours), None, None)  # this launch's own restart finds it

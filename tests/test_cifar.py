@@ -11,10 +11,11 @@ import torch
 import torchvision
 from torchvision.transforms import ToTensor
 
-import data.cifar
-from data.cifar import CIFAR, CIFAR100_SUPERCLASSES, cifar_dataset, write_cifar_standin
-from data.datasets import DatasetError
+import utils.general
+from cifar_standin import write_cifar_standin
+from data.cifar import CIFAR, CIFAR100_SUPERCLASSES, cifar_dataset
 from models.resnet_cifar import resnet18_cifar
+from utils.general import DatasetError
 
 URLS = {"cifar10": "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
         "cifar100": "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz"}
@@ -112,7 +113,7 @@ def test_standin_of_smaller_images(tmp_path):
 
 
 def test_default_root_is_datasets_name(tmp_path, monkeypatch):
-    monkeypatch.setattr(data.cifar, "DATASETS_DIR", tmp_path)
+    monkeypatch.setattr(utils.general, "DATASETS_DIR", tmp_path)
     write_cifar_standin(tmp_path / "cifar10", "cifar10", 1, 1)
     assert Path(cifar_dataset("cifar10", False, None).root) == tmp_path / "cifar10"
 

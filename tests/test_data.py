@@ -7,9 +7,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from data.datasets import DatasetError, build_datasets, check_shareable, dataset_root, split_dir, write_digits
+from data.datasets import build_datasets, check_shareable, dataset_root, split_dir, write_digits
 from data.transforms import normalizer, train_transforms, val_transforms
 from utils.config import DataConfig
+from utils.general import DatasetError
 
 
 def count_files(folder):

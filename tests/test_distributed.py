@@ -8,7 +8,6 @@ import torch
 from conftest import run_torchrun
 from data.sampler import DistributedShuffleSampler
 from ddp_check import CASES, TECHNIQUES, run_technique
-from train import micro_batches
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +73,8 @@ def test_every_rank_splits_a_step_into_as_many_micro_batches():
     # With join() on, every forward is a collective, so the ranks that take it must agree on the count.
     samplers = [DistributedShuffleSampler(9, r, 3, batch_size=6, group=2) for r in range(3)]
     assert [s.step_share(1, r) for r, s in enumerate(samplers)] == [2, 1, 0]
-    assert {micro_batches(s, 1, 2) for s in samplers} == {1}
-    assert {micro_batches(s, 0, 2) for s in samplers} == {2}
+    assert {s.micro_batches(1, 2) for s in samplers} == {1}
+    assert {s.micro_batches(0, 2) for s in samplers} == {2}
 
 
 def bf16_hook_mean(local_gradients):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from models import build_model, check_input_size, load_weights, model_names, read_weights
+from models import build_model, check_input_size, check_model_name, load_weights, model_names, read_weights
 from utils.config import ModelConfig, RecipeError, load_recipe
 from utils.general import UsageError
 
@@ -127,9 +127,9 @@ def fake_timm(monkeypatch):
 
 
 def test_timm_models_are_checked_by_name_and_built_without_download(fake_timm):
-    assert load_recipe("cls.yaml", ["model.name=timm/tiny"]).model.name == "timm/tiny"
+    assert load_recipe("cls.yaml", ["model.name=timm/tiny"], model_check=check_model_name).model.name == "timm/tiny"
     with pytest.raises(RecipeError, match=r"model.name='timm/tinny': timm has no model of that name"):
-        load_recipe("cls.yaml", ["model.name=timm/tinny"])
+        load_recipe("cls.yaml", ["model.name=timm/tinny"], model_check=check_model_name)
     build(name="timm/tiny")
     build_model(OmegaConf.structured(ModelConfig(name="timm/vit_tiny")), 7, img_size=64)
     # Never pretrained: nothing is downloaded. A ViT is built for the recipe's image size, as torchvision's are.
@@ -141,4 +141,4 @@ def test_timm_model_without_timm_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RecipeError, match=r"model.name='timm/resnet50': needs timm, which is not installed here "
                                           r"\(pip install timm\)"):
-        load_recipe("cls.yaml", ["model.name=timm/resnet50"])
+        load_recipe("cls.yaml", ["model.name=timm/resnet50"], model_check=check_model_name)

@@ -4,6 +4,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
+from models import check_model_name
 from utils.config import RECIPES_DIR, Recipe, RecipeError, load_recipe, load_resumed_recipe, recipe_to_yaml
 
 
@@ -14,7 +15,7 @@ def write(path, content):
 
 def test_every_shipped_recipe_loads():
     for path in RECIPES_DIR.glob("*.yaml"):
-        cfg = load_recipe(str(path))
+        cfg = load_recipe(str(path), model_check=check_model_name)
         assert cfg.train.epochs >= 1
 
 
@@ -78,7 +79,17 @@ def test_bad_values_name_the_key():
              "name=' '": "name must be"}
     for override, message in cases.items():
         with pytest.raises(RecipeError, match=message.replace("(", r"\(")):
-            load_recipe("cls.yaml", [override])
+            load_recipe("cls.yaml", [override], model_check=check_model_name)
+
+
+def test_model_name_is_checked_by_the_check_the_caller_gives():
+    """utils/ imports nothing of models/: the scripts that build a model pass models.check_model_name."""
+    assert load_recipe("cls.yaml", ["model.name=resnet19"]).model.name == "resnet19"  # no check given
+    with pytest.raises(RecipeError, match=r"cls.yaml \(with command-line overrides\): model.name='resnet19': no such "):
+        load_recipe("cls.yaml", ["model.name=resnet19"], model_check=check_model_name)
+    saved = OmegaConf.to_container(load_recipe("cls.yaml", ["model.name=resnet19"]))
+    with pytest.raises(RecipeError, match=r"^checkpoint recipe: model.name='resnet19': no such model"):
+        load_resumed_recipe(saved, model_check=check_model_name)
 
 
 def test_malformed_override():

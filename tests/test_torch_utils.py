@@ -10,6 +10,7 @@ import torch
 
 import utils.torch_utils as tu
 from conftest import ROOT
+from utils import distributed, general, precision, seeds
 from utils.general import UsageError, increment_path
 
 
@@ -104,19 +105,19 @@ def test_sync_bn_converts_batchnorm_on_several_gpus_and_refuses_cpu(monkeypatch)
 
 
 def test_rng_states_survive_a_weights_only_checkpoint(tmp_path):
-    tu.init_seeds(3)
-    torch.save({"rng": tu.rng_states()}, tmp_path / "rng.pt")
+    seeds.init_seeds(3)
+    torch.save({"rng": seeds.rng_states()}, tmp_path / "rng.pt")
     expected = (random.random(), np.random.rand(), torch.rand(2))
-    tu.init_seeds(4)
-    tu.set_rng_states(torch.load(tmp_path / "rng.pt", weights_only=True)["rng"])
+    seeds.init_seeds(4)
+    seeds.set_rng_states(torch.load(tmp_path / "rng.pt", weights_only=True)["rng"])
     again = (random.random(), np.random.rand(), torch.rand(2))
     assert again[:2] == expected[:2] and torch.equal(again[2], expected[2])
 
 
 def test_rank0_errors_are_raised_as_one_shared_error():
-    assert tu.on_rank0(lambda: 7) == 7
-    with pytest.raises(tu.SharedError, match="disk full"):
-        tu.on_rank0(lambda: (_ for _ in ()).throw(OSError("disk full")))
+    assert distributed.on_rank0(lambda: 7) == 7
+    with pytest.raises(general.SharedError, match="disk full"):
+        distributed.on_rank0(lambda: (_ for _ in ()).throw(OSError("disk full")))
 
 
 def test_threads_and_workers_never_oversubscribe_cores():
@@ -150,14 +151,14 @@ def test_init_seeds_repeats_every_random_stream_and_asks_for_deterministic_kerne
     flags = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
              torch.backends.cudnn.benchmark)
     try:
-        tu.init_seeds(5)
+        seeds.init_seeds(5)
         first = draws()
         assert torch.backends.cudnn.benchmark and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
-        tu.init_seeds(5, deterministic=True)
+        seeds.init_seeds(5, deterministic=True)
         assert draws() == first
         assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
         assert not torch.backends.cudnn.benchmark and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
-        tu.init_seeds(6)
+        seeds.init_seeds(6)
         assert all(a != b for a, b in zip(draws(), first))
     finally:
         torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
@@ -166,33 +167,34 @@ def test_init_seeds_repeats_every_random_stream_and_asks_for_deterministic_kerne
 
 def test_autocast_dtype_per_precision_and_device():
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert tu.autocast_dtype("fp32", cpu) is None
-    assert tu.autocast_dtype("bf16", cpu) is torch.bfloat16
+    assert precision.autocast_dtype("fp32", cpu) is None
+    assert precision.autocast_dtype("bf16", cpu) is torch.bfloat16
     with pytest.raises(UsageError, match="fp16 needs a CUDA device"):
-        tu.autocast_dtype("fp16", cpu)
-    assert tu.autocast_dtype("fp16", cuda) is torch.float16
+        precision.autocast_dtype("fp16", cpu)
+    assert precision.autocast_dtype("fp16", cuda) is torch.float16
 
 
 def test_auto_precision_is_bf16_only_where_the_hardware_computes_in_it(tmp_path, monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     (tmp_path / "amx").write_text("flags\t\t: fpu sse avx512f amx_bf16 amx_tile\n")
     (tmp_path / "avx512").write_text("flags\t\t: fpu sse avx512f avx512bw\n")
-    assert tu.native_precision(cpu, tmp_path / "amx") == "bf16"
-    assert tu.native_precision(cpu, tmp_path / "avx512") == "fp32"
-    assert tu.native_precision(cpu, tmp_path / "missing") == "fp32"
-    monkeypatch.setattr(tu, "native_precision", lambda device: "bf16" if device.type == "cpu" else "fp16")
-    assert tu.autocast_dtype("auto", cpu) is torch.bfloat16 and tu.autocast_dtype("auto", cuda) is torch.float16
-    for supported, precision in ((True, "bf16"), (False, "fp16")):
+    assert precision.native_precision(cpu, tmp_path / "amx") == "bf16"
+    assert precision.native_precision(cpu, tmp_path / "avx512") == "fp32"
+    assert precision.native_precision(cpu, tmp_path / "missing") == "fp32"
+    monkeypatch.setattr(precision, "native_precision", lambda device: "bf16" if device.type == "cpu" else "fp16")
+    assert precision.autocast_dtype("auto", cpu) is torch.bfloat16
+    assert precision.autocast_dtype("auto", cuda) is torch.float16
+    for supported, expected in ((True, "bf16"), (False, "fp16")):
         monkeypatch.undo()
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: supported)
-        assert tu.native_precision(cuda) == precision
+        assert precision.native_precision(cuda) == expected
 
 
 def test_grad_scaler_scales_the_loss_for_fp16_only():
     loss, cpu = torch.tensor(3.0), torch.device("cpu")
-    assert tu.grad_scaler(cpu, None).scale(loss).item() == 3.0
-    assert tu.grad_scaler(cpu, torch.bfloat16).scale(loss).item() == 3.0  # bf16 has fp32's range: nothing underflows
-    assert tu.grad_scaler(cpu, torch.float16).scale(loss).item() == 3.0 * 2**16  # GradScaler's initial scale
+    assert precision.grad_scaler(cpu, None).scale(loss).item() == 3.0
+    assert precision.grad_scaler(cpu, torch.bfloat16).scale(loss).item() == 3.0  # bf16 has fp32's range: nothing underflows
+    assert precision.grad_scaler(cpu, torch.float16).scale(loss).item() == 3.0 * 2**16  # GradScaler's initial scale
 
 
 def test_de_parallel_returns_plain_module():
@@ -219,28 +221,26 @@ def test_increment_path_separates_the_number_from_a_name_that_ends_in_a_digit(tm
 
 def test_evaluation_falls_back_from_a_precision_the_device_cannot_run():
     cpu = torch.device("cpu")
-    assert tu.inference_precision(None, "bf16", cpu) == ("bf16", torch.bfloat16)
-    assert tu.inference_precision(None, "fp16", cpu) == ("fp32", None)  # trained on a GPU, evaluated on a CPU
-    assert tu.inference_precision("fp32", "bf16", cpu) == ("fp32", None)
+    assert precision.inference_precision(None, "bf16", cpu) == ("bf16", torch.bfloat16)
+    assert precision.inference_precision(None, "fp16", cpu) == ("fp32", None)  # trained on a GPU, evaluated on a CPU
+    assert precision.inference_precision("fp32", "bf16", cpu) == ("fp32", None)
     with pytest.raises(UsageError, match="--precision=fp16 needs a CUDA device"):
-        tu.inference_precision("fp16", "fp32", cpu)
+        precision.inference_precision("fp16", "fp32", cpu)
 
 
 def test_ema_follows_the_adjusted_decay_and_copies_during_warmup():
-    from train import update_ema
-
     model = torch.nn.Linear(3, 2)
     # torchvision's adjustment: alpha = (1 - decay) * global batch * steps between updates / epochs
     ema = tu.model_ema(model, decay=0.999, steps=4, global_batch=50, epochs=10)  # alpha = 0.001 * 50 * 4 / 10 = 0.02
     start = model.weight.detach().clone()
     with torch.no_grad():
         model.weight.add_(1.0)
-    update_ema(ema, model, warmup=True)  # the first update copies; in warmup, every update does
+    tu.update_ema(ema, model, warmup=True)  # the first update copies; in warmup, every update does
     assert torch.equal(ema.module.weight, model.weight)
-    update_ema(ema, model, warmup=False)
+    tu.update_ema(ema, model, warmup=False)
     with torch.no_grad():
         model.weight.add_(1.0)
-    update_ema(ema, model, warmup=False)
+    tu.update_ema(ema, model, warmup=False)
     expected = 0.98 * (start + 1) + 0.02 * (start + 2)
     torch.testing.assert_close(ema.module.weight, expected)
     assert not torch.equal(ema.module.weight, model.weight)

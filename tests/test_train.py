@@ -257,3 +257,11 @@ def test_early_stopping_after_patience_epochs_without_a_better_top1(image_folder
     assert (f"Stopping early after epoch {len(rows)}: no better val top-1 in 2 epochs (train.patience); the best, "
             f"{max(top1):.2%}, was at epoch {best_epoch}") in log.text
     assert load_checkpoint(tmp_path / "exp" / "weights" / "best.pt")["epoch"] == best_epoch
+
+
+def test_an_unknown_model_name_fails_with_the_recipe_before_any_work(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        train.main(["--recipe", "cls.yaml", "model.name=resnt18", f"project={tmp_path / 'runs'}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "model.name='resnt18': no such model" in err and "(closest: 'resnet18')" in err
+    assert not (tmp_path / "runs").exists()

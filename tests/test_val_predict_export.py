@@ -15,14 +15,15 @@ from PIL import Image
 import export
 import predict
 import val
-from conftest import ROOT, read_results, run_torchrun
+from conftest import read_results, run_torchrun
 from data.datasets import build_datasets, dataset_root
 from data.transforms import normalizer, val_transforms
 from models import model_from_checkpoint
 from utils.checkpoint import load_model_checkpoint
 from utils.config import checkpoint_recipe
+from utils.general import DATASETS_DIR
 
-VAL_DIR = ROOT / "datasets" / "digits" / "val"
+VAL_DIR = DATASETS_DIR / "digits" / "val"
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Checkpoints: plain state_dicts written atomically and durably, loaded without unpickling code, found for --resume."""
+"""Checkpoints: plain state_dicts written atomically and durably, loaded without unpickling code, found for --resume;
+a training run's state saved into one and restored from it."""
 
 import os
 import pickle
@@ -6,7 +7,10 @@ from pathlib import Path
 
 import torch
 
-from utils.general import UsageError
+from utils.distributed import gather_object, on_rank0
+from utils.general import LOGGER, RANK, WORLD_SIZE, SharedError, UsageError
+from utils.seeds import rng_states, set_rng_states
+from utils.torch_utils import de_parallel
 
 TRAINING_KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "step", "classes", "recipe", "rng")
 
@@ -77,6 +81,13 @@ def load_model_checkpoint(path, device="cpu"):
     return {key: ckpt.get(key) for key in ("model", "classes", "recipe", "epoch", "step")}
 
 
+def state_dict_mismatch(error):
+    """The first problem load_state_dict's RuntimeError lists (a missing or unexpected key, or a size mismatch), as
+    one line: its message is a header line, then one line per problem."""
+    lines = str(error).strip().splitlines()
+    return (lines[1:] or lines)[0].strip()
+
+
 def position(ckpt):
     """Where in its run a checkpoint was saved, in words."""
     if ckpt.get("epoch") is None:
@@ -110,3 +121,60 @@ def run_dir_of(checkpoint_path):
     """The run directory a checkpoint belongs to: the parent of its weights/ folder."""
     path = Path(checkpoint_path).resolve()
     return path.parent.parent if path.parent.name == "weights" else path.parent
+
+
+def save_state(state, recipe, classes, train_images, paths, best_from_ema=False):
+    """Save a checkpoint of the run where it is, with its recipe (a plain dict) and every rank's random state, to
+    each of paths (all ranks call this together, rank 0 writes). With best_from_ema, best.pt's 'model' holds the
+    EMA weights, which scored better ('model_source' says which)."""
+    rng = gather_object(rng_states())
+
+    def write():
+        checkpoint = {
+            "model": de_parallel(state.model).state_dict(), "optimizer": state.optimizer.state_dict(),
+            "scheduler": state.scheduler.state_dict(), "scaler": state.scaler.state_dict(), "epoch": state.epoch,
+            "step": state.step, "epoch_loss": list(state.epoch_loss),
+            "logged_loss": list(state.logged_loss), "best_top1": state.best_top1,
+            "best_epoch": state.best_epoch, "classes": list(classes), "recipe": recipe,
+            "rng": rng, "train_images": train_images, "ema": None if state.ema is None else state.ema.state_dict(),
+            "model_source": "training"}
+        for path in paths:
+            ema_best = best_from_ema and path.name == "best.pt"
+            save_checkpoint({**checkpoint, "model": state.ema.module.state_dict(), "model_source": "ema"}
+                            if ema_best else checkpoint, path)
+    on_rank0(write)
+
+
+def restore(state, path, ckpt, classes, epochs, train_images=None):
+    """Load a checkpoint into state: weights, optimizer, schedule, scaler, position and this rank's random state.
+    train_images: how many the data holds now, to warn when the checkpoint was trained on another number."""
+    if ckpt["classes"] != list(classes):
+        raise SharedError(f"{path}: trained on {len(ckpt['classes'])} classes {ckpt['classes'][:5]}..., but the "
+                          f"data has {len(classes)} classes {list(classes)[:5]}...; resume with the same data")
+    try:
+        state.model.load_state_dict(ckpt["model"])
+    except RuntimeError as e:
+        raise SharedError(f"{path}: its weights do not fit the model of its recipe: "
+                          f"{state_dict_mismatch(e)}") from None
+    if (ckpt["epoch"], ckpt["step"]) >= (epochs, 0):
+        raise SharedError(f"{path}: the run has already trained all {epochs} epochs; to train longer, resume with "
+                          f"train.epochs=N (N > {epochs})")
+    state.optimizer.load_state_dict(ckpt["optimizer"])
+    state.scheduler.load_state_dict(ckpt["scheduler"])
+    for group, base_lr, factor in zip(state.optimizer.param_groups, state.scheduler.base_lrs,
+                                      state.scheduler.lr_lambdas):  # a changed train.epochs changes the schedule
+        group["lr"] = base_lr * factor(state.scheduler.last_epoch)
+    state.scaler.load_state_dict(ckpt["scaler"])
+    if state.ema is not None:
+        state.ema.load_state_dict(ckpt["ema"])
+    state.epoch, state.step, state.epoch_loss = ckpt["epoch"], ckpt["step"], tuple(ckpt["epoch_loss"])
+    state.logged_loss = tuple(ckpt.get("logged_loss", state.epoch_loss))
+    state.best_top1, state.best_epoch = ckpt["best_top1"], ckpt["best_epoch"]
+    if RANK < len(ckpt["rng"]):
+        set_rng_states(ckpt["rng"][RANK])
+    if train_images is not None and ckpt.get("train_images", train_images) != train_images:
+        LOGGER.warning(f"{path} was trained on {ckpt['train_images']} training images, the data now holds "
+                       f"{train_images}: the order and the resumed epoch's remaining steps differ")
+    if len(ckpt["rng"]) != WORLD_SIZE:
+        LOGGER.warning(f"{path} was saved by {len(ckpt['rng'])} process(es), resumed by {WORLD_SIZE}: the data "
+                       f"and steps are the same, but per-process random streams (dropout) start afresh")

@@ -202,22 +202,25 @@ def parse_overrides(overrides):
     return OmegaConf.from_dotlist(list(overrides))
 
 
-def load_recipe(recipe, overrides=()):
-    """Load a recipe (with its bases) and key=value overrides onto the schema; validate; return a read-only config."""
+def load_recipe(recipe, overrides=(), model_check=None):
+    """Load a recipe (with its bases) and key=value overrides onto the schema; validate; return a read-only config.
+    model.name is checked by model_check (name -> problem or None) when given: models.check_model_name."""
     path = find_recipe(recipe)
     cfg = OmegaConf.structured(Recipe)
     for source, layer in recipe_layers(path):
         cfg = merge_layer(cfg, layer, source)
     cfg = merge_layer(cfg, parse_overrides(overrides), "command line")
-    return checked(cfg, f"{path} (with command-line overrides)" if overrides else str(path))
+    return checked(cfg, f"{path} (with command-line overrides)" if overrides else str(path), model_check)
 
 
-def load_resumed_recipe(saved, overrides=(), source="checkpoint"):
-    """The recipe saved in a checkpoint, with key=value overrides of RESUME_KEYS only; validated and read-only."""
+def load_resumed_recipe(saved, overrides=(), source="checkpoint", model_check=None):
+    """The recipe saved in a checkpoint, with key=value overrides of RESUME_KEYS only; validated (model.name by
+    model_check, as in load_recipe) and read-only."""
     cfg = merge_layer(OmegaConf.structured(Recipe), saved, f"{source} recipe")
     resumed = merge_layer(cfg, parse_overrides(overrides), "command line")
     check_resumable(cfg, resumed, "command line")
-    return checked(resumed, f"{source} recipe (with command-line overrides)" if overrides else f"{source} recipe")
+    return checked(resumed, f"{source} recipe (with command-line overrides)" if overrides else f"{source} recipe",
+                   model_check)
 
 
 def checkpoint_recipe(saved, source):
@@ -246,13 +249,13 @@ def flat_keys(tree, prefix=""):
     return keys
 
 
-def checked(cfg, source):
+def checked(cfg, source, model_check=None):
     """Resolve interpolations, check values, and make the config read-only."""
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
         raise RecipeError(f"{source}: cannot resolve interpolation: {str(e).splitlines()[0]}") from None
-    check_values(cfg, source)
+    check_values(cfg, source, model_check)
     OmegaConf.set_readonly(cfg, True)
     return cfg
 
@@ -263,24 +266,33 @@ def nearest_multiples(value, factor):
     return f"{below} or {below + factor}" if below else str(factor)
 
 
-def check_values(cfg, source):
-    """Reject values the schema types allow but training can't use, naming the key and the source."""
-    from models import check_model_name  # here, not at import: models imports torchvision
+def check_values(cfg, source, model_check=None):
+    """Reject values the schema types allow but training can't use, naming the key and the source; model.name by
+    model_check (name -> problem or None) when given: which names can be built is for models/ to say."""
+    problem = model_check(cfg.model.name) if model_check else None
+    if problem:
+        raise RecipeError(f"{source}: model.name={cfg.model.name!r}: {problem}")
 
     def require(ok, key, expected):
         if not ok:
-            value = OmegaConf.select(cfg, key)
-            raise RecipeError(f"{source}: {key} must be {expected}, got {value!r}")
+            raise RecipeError(f"{source}: {key} must be {expected}, got {OmegaConf.select(cfg, key)!r}")
 
-    problem = check_model_name(cfg.model.name)
-    if problem:
-        raise RecipeError(f"{source}: model.name={cfg.model.name!r}: {problem}")
+    for check in (check_model_values, check_data_values, check_train_values, check_other_values):
+        check(cfg, require)
+
+
+def check_model_values(cfg, require):
+    """The model section's values (check_values)."""
     require(cfg.model.width >= 1 and cfg.model.depth >= 1, "model.width", "positive (and so must model.depth)")
     require(0 <= cfg.model.dropout < 1, "model.dropout", "in [0, 1)")
     require(cfg.model.norm in ("batch", "group", "none"), "model.norm", "batch, group or none")
     require(not cfg.model.sync_bn or cfg.data.drop_last or WORLD_SIZE == 1, "model.sync_bn",
             "used with data.drop_last=true on several processes (SyncBatchNorm's collectives need every rank to "
             "take every step)")
+
+
+def check_data_values(cfg, require):
+    """The data section's values (check_values)."""
     require(cfg.data.img_size >= 1, "data.img_size", "a positive number of pixels")
     require(len(cfg.data.scale) == 2 and 0 < cfg.data.scale[0] <= cfg.data.scale[1] <= 1, "data.scale",
             "[min, max] with 0 < min <= max <= 1")
@@ -307,6 +319,10 @@ def check_values(cfg, source):
         require(cfg.data.cache != "ram" or not cfg.data[key], f"data.{key}",
                 "off with data.cache=ram, which crops and flips whole batches (it runs per image: set data.cache=none)")
     require(cfg.data.workers == "auto" or cfg.data.workers.isdigit(), "data.workers", "auto or a number >= 0")
+
+
+def check_train_values(cfg, require):
+    """The train section's values (check_values)."""
     require(cfg.train.epochs >= 1, "train.epochs", ">= 1")
     require(cfg.train.batch_size >= 1, "train.batch_size", ">= 1")
     require(cfg.train.batch_size % WORLD_SIZE == 0, "train.batch_size",
@@ -322,6 +338,10 @@ def check_values(cfg, source):
     require(cfg.train.patience >= 0, "train.patience", ">= 0 (0 trains every epoch)")
     require(cfg.train.log_every_steps >= 0, "train.log_every_steps", ">= 0 (0 logs the loss per epoch only)")
     require(cfg.train.precision in ("fp32", "bf16", "fp16", "auto"), "train.precision", "one of fp32, bf16, fp16, auto")
+
+
+def check_other_values(cfg, require):
+    """The optim, sched and ddp sections' values, and the top-level keys (check_values)."""
     require(cfg.optim.name in ("sgd", "adamw"), "optim.name", "sgd or adamw")
     require(cfg.optim.lr > 0, "optim.lr", "> 0")
     require(cfg.optim.weight_decay >= 0, "optim.weight_decay", ">= 0")

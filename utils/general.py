@@ -1,4 +1,4 @@
-"""General helpers shared by every script: paths, logging, run directories."""
+"""General helpers shared by every script: paths, logging, the errors reported as one line, run directories."""
 
 import logging
 import os
@@ -6,9 +6,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]  # repository root
+DATASETS_DIR = ROOT / "datasets"  # digits/ (written on first use), cifar10/ and cifar100/ (see data/cifar.py)
 # Set by torchrun; absent means one process.
 RANK = int(os.getenv("RANK", 0))  # global rank
 WORLD_SIZE = int(os.getenv("WORLD_SIZE", 1))  # processes in the whole job
+LOCAL_RANK = int(os.getenv("LOCAL_RANK", 0))
+LOCAL_WORLD_SIZE = int(os.getenv("LOCAL_WORLD_SIZE", 1))  # processes on this machine
+RESTART_COUNT = int(os.getenv("TORCHELASTIC_RESTART_COUNT", 0))  # > 0: torchrun restarted the workers after a failure
+RUN_ID = os.getenv("TORCHELASTIC_RUN_ID")  # the torchrun job (--rdzv-id; with --standalone, one per launch)
 
 
 def set_logging(name="cls"):
@@ -34,12 +39,20 @@ class SharedError(UsageError):
     """An error every rank raises together (a bad recipe, or one rank 0 met and shared): reported once."""
 
 
+class DatasetError(SharedError):
+    """A dataset that cannot be used, with a message naming the path and what is wrong (the same on every rank)."""
+
+
+class ImageError(UsageError):
+    """An image that cannot be read, met by the one rank (or DataLoader worker) that loads it."""
+
+
 def error_line(error):
     """The one-line message of an error; for one re-raised from a DataLoader worker (whose message is the worker's
     whole traceback), the original message at its end."""
     text = str(error).strip()
     if "Original Traceback" in text:
-        text = text.splitlines()[-1].split(": ", 1)[-1]  # 'data.datasets.DatasetError: <message>'
+        text = text.splitlines()[-1].split(": ", 1)[-1]  # 'utils.general.DatasetError: <message>'
     return text
 
 

@@ -4,7 +4,7 @@
 from pathlib import Path
 from typing import NamedTuple
 
-from utils.torch_utils import LOCAL_WORLD_SIZE
+from utils.general import LOCAL_WORLD_SIZE
 
 MEMORY_SHARE = 0.8  # of the memory available at start-up that the caches of a machine's processes may take
 NO_LIMIT = 2**60  # cgroup v1 writes "no limit" as a number near 2**63 (rounded to pages)

@@ -1,9 +1,13 @@
-"""Validation metrics, exact across ranks: every sample is counted once and totals are summed over ranks."""
+"""Metrics exact across ranks: validation counts every sample once, and the training loss is summed over ranks."""
+
+import time
 
 import torch
 import torch.nn.functional as F
 
-from utils.torch_utils import all_reduce_sum, autocast
+from utils.distributed import all_reduce_sum
+from utils.general import WORLD_SIZE
+from utils.precision import autocast
 
 # Above this many classes the C x C confusion matrix is not kept (at 20k classes it would take gigabytes on the
 # device); the per-class counts, which give precision, recall and top-5 per class, always are.
@@ -50,6 +54,14 @@ def evaluate(model, loader, normalize, num_classes, device, dtype=None, keep_wro
             "wrong": wrong}
 
 
+def evaluate_ema(ema, loader, normalize, num_classes, device, dtype):
+    """The EMA's val/ema_loss, val/ema_top1 and val/ema_top5 (None without EMA)."""
+    if ema is None:
+        return dict.fromkeys(("val/ema_loss", "val/ema_top1", "val/ema_top5"))
+    metrics = evaluate(ema.module, loader, normalize, num_classes, device, dtype)
+    return {f"val/ema_{name}": metrics[f"val/{name}"] for name in ("loss", "top1", "top5")}
+
+
 def hits_per_class(targets, hit, num_classes):
     """How many samples of each class are hits: a bincount with the misses moved past the first num_classes bins
     (a bincount with weights is not deterministic on CUDA)."""
@@ -71,3 +83,28 @@ def per_class(class_counts):
     with_top5 = len(images) >= 5
     return [(n, right / guessed if guessed else 0.0, right / n if n else None, hits / n if n and with_top5 else None)
             for n, guessed, right, hits in zip(images, predicted, correct, top5)]
+
+
+class EpochLoss:
+    """This rank's summed training loss and images since the epoch, or its resumed part, began; total() adds every
+    rank's to `before`, the epoch's totals until then (a collective)."""
+
+    def __init__(self, before, device):
+        self.before, self.sum, self.seen = before, torch.zeros((), dtype=torch.float64, device=device), 0
+        self.start = self.last_shown = time.monotonic()
+
+    def add(self, loss, images):
+        self.sum += loss
+        self.seen += images
+
+    def total(self):
+        both = torch.stack([self.sum.double(), torch.tensor(self.seen, dtype=torch.float64, device=self.sum.device)])
+        total = all_reduce_sum(both)
+        return self.before[0] + total[0].item(), self.before[1] + int(total[1].item())
+
+    def show(self, bar):
+        """The running loss and speed on rank 0's progress bar, at most twice a second (.item() syncs)."""
+        if not bar.disable and time.monotonic() - self.last_shown > 0.5:
+            self.last_shown = time.monotonic()
+            rate = self.seen * WORLD_SIZE / (self.last_shown - self.start)
+            bar.set_postfix_str(f"loss {self.sum.item() / max(self.seen, 1):.4f}  {rate:.0f} img/s", refresh=False)

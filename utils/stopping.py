@@ -1,5 +1,5 @@
-"""Stopping together: a stop signal (preemption's SIGTERM, Ctrl-C's SIGINT) or a non-finite loss on any rank stops
-every rank after the same step, where the run can save and exit cleanly."""
+"""Stopping together: a stop signal (preemption's SIGTERM, Ctrl-C's SIGINT) or a non-finite loss or weight on any
+rank stops every rank after the same step, where the run can save and exit cleanly; and early stopping (patience)."""
 
 import math
 import signal
@@ -8,7 +8,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from utils.general import LOGGER
+from utils.general import LOGGER, SharedError
+from utils.torch_utils import de_parallel
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -87,3 +88,38 @@ class StopVote:
         self.cast(loss, step)  # step -1: the weights, not a step's loss, were voted on
         last_stop, last_bad = self.count()
         return stop or last_stop, bad_step if bad_step is not None else last_bad
+
+
+def weights_sum(model):
+    """A number that is not finite if any weight is, voted on before each save: a step whose loss was finite but
+    whose gradients overflowed must not be saved either."""
+    return torch.stack([p.detach().float().sum() for p in de_parallel(model).parameters()]).sum()
+
+
+def check_vote(verdict, epoch, steps):
+    """The vote's stop flag; a non-finite loss (or weights) on any rank ends the run on every rank, unsaved."""
+    stop, bad_step = verdict
+    if bad_step == -1:
+        raise SharedError(f"the weights became non-finite (nan or inf) in epoch {epoch + 1}; stopped "
+                          f"without saving, so weights/last.pt keeps the last good state. Lower optim.lr, set "
+                          f"optim.clip_grad_norm, or train in fp32")
+    if bad_step is not None:
+        raise SharedError(f"the training loss is not finite (nan or inf) at epoch {epoch + 1}, step {bad_step + 1}/"
+                          f"{steps}; stopped without saving, so weights/last.pt keeps the last good state. Lower "
+                          f"optim.lr, set optim.clip_grad_norm, or train in fp32")
+    return stop
+
+
+def wants_save(every, global_step, step, steps):
+    """A mid-epoch save every `every` steps, except at the epoch's end, which saves anyway."""
+    return bool(every) and global_step % every == 0 and step < steps
+
+
+def out_of_patience(patience, state, epochs):
+    """Early stopping: whether `patience` epochs have passed without a better val top-1 (every rank agrees: the
+    metrics are the same everywhere)."""
+    if not patience or state.epoch >= epochs or state.epoch - state.best_epoch < patience:
+        return False
+    LOGGER.info(f"Stopping early after epoch {state.epoch}: no better val top-1 in {patience} epochs (train.patience)"
+                f"; the best, {state.best_top1:.2%}, was at epoch {state.best_epoch}")
+    return True

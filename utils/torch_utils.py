@@ -1,49 +1,21 @@
-"""Process set-up for training: ranks, device, threads, seeds, DDP and mixed precision."""
+"""A process's torch set-up: its device and threads, DDP behind its version checks, and the EMA of the weights."""
 
 import inspect
-import os
-import random
 import re
-import sys
-from contextlib import contextmanager, nullcontext
-from datetime import timedelta
+from contextlib import nullcontext
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.torch_version import TorchVersion
 
 from utils.config import DEVICES, parse_device
-from utils.general import LOGGER, RANK, WORLD_SIZE, SharedError, UsageError, cpu_count, error_line
+from utils.general import LOCAL_RANK, LOCAL_WORLD_SIZE, LOGGER, WORLD_SIZE, UsageError, cpu_count
 
-# Set by torchrun; absent means one process.
-LOCAL_RANK = int(os.getenv("LOCAL_RANK", 0))
-LOCAL_WORLD_SIZE = int(os.getenv("LOCAL_WORLD_SIZE", 1))  # processes on this machine
-RESTART_COUNT = int(os.getenv("TORCHELASTIC_RESTART_COUNT", 0))  # > 0: torchrun restarted the workers after a failure
-RUN_ID = os.getenv("TORCHELASTIC_RUN_ID")  # the torchrun job (--rdzv-id; with --standalone, one per launch)
-# How long a rank waits at a collective for the others. No rank works alone for long (validation and data checks are
-# shared, rank 0 only saves), so a rank that waits this long waits for one that is stuck.
-DIST_TIMEOUT = timedelta(minutes=10)
-
-AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-COMM_HOOKS = {"none": None, "bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
 TORCH_BUCKET_MB = 25  # DDP's default bucket_cap_mb
 TORCH_MINIMUM = "2.4"  # requirements.txt's torch>=2.4
-
-
-def exit_on_error(script, error):
-    """Report a UsageError as one line and exit with code 2: a SharedError (the same on every rank) once, by rank
-    0, another by the rank that met it, named. Recorded for torchrun, whose summary then names the cause."""
-    if RANK == 0 or not isinstance(error, SharedError):
-        prefix = "" if isinstance(error, SharedError) or WORLD_SIZE == 1 else f"[rank {RANK}] "
-        print(f"{prefix}{script}: error: {error_line(error)}", file=sys.stderr)
-        get_error_handler().record_exception(error)
-    sys.exit(2)
 
 
 def select_device(device="auto", local_rank=LOCAL_RANK, key="device", local_world_size=LOCAL_WORLD_SIZE):
@@ -88,49 +60,10 @@ def check_version(current, minimum, name="version ", pinned=False, hard=False):
     return ok
 
 
-def distributed_backend(cuda_available):
-    """gloo for CPU tensors, and nccl for GPU tensors where there is CUDA (one group holds both)."""
-    return "cpu:gloo,cuda:nccl" if cuda_available else "gloo"
-
-
-def setup_distributed():
-    """Check torch's version, then join the process group that torchrun describes in the environment; nothing to
-    join for one process.
-
-    Joined before the recipe is read, so rank 0 alone can read a checkpoint and share it; object collectives
-    and barriers use gloo, so the device need not be chosen yet.
-    """
-    check_version(torch.__version__, TORCH_MINIMUM, "torch ", hard=True)  # first: an older one fails later, unclearly
-    if WORLD_SIZE > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=distributed_backend(torch.cuda.is_available()), timeout=DIST_TIMEOUT,
-                                **restart_store())
-
-
-def restart_store():
-    """After a torchrun restart on one machine, a store for the process group whose keys are this attempt's alone.
-
-    torchrun shares its rendezvous store with the workers by default, and the restarted workers of a failed
-    attempt can read its stale addresses and hang or fail to connect (pytorch/pytorch#135712). The restart count
-    separates attempts where one agent restarts every worker; across machines it can differ, so multi-node jobs
-    set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 instead (see README).
-    """
-    if not RESTART_COUNT or os.getenv("TORCHELASTIC_USE_AGENT_STORE") != "True" or LOCAL_WORLD_SIZE != WORLD_SIZE:
-        return {}
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), WORLD_SIZE, is_master=False,
-                          timeout=DIST_TIMEOUT)
-    return {"store": dist.PrefixStore(f"attempt_{RESTART_COUNT}", store), "rank": RANK, "world_size": WORLD_SIZE}
-
-
 def set_device(device):
     """Make device this process's GPU (before any nccl collective), if it is one."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-
-
-def cleanup_distributed():
-    """Leave the process group, if any."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def set_threads(workers="auto", cached=False, device_type="cpu", cores=None, procs_per_machine=LOCAL_WORLD_SIZE):
@@ -166,38 +99,9 @@ def auto_workers(cores, cached, device_type):
     return cores // 2, "auto: half the cores decode, half compute"
 
 
-def rng_states():
-    """This process's random generator states (python, numpy, torch CPU and CUDA) as plain, weights_only-safe values."""
-    np_state = np.random.get_state()
-    return {"python": random.getstate(), "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-
-
-def set_rng_states(states):
-    """Restore states saved by rng_states()."""
-    random.setstate((states["python"][0], tuple(states["python"][1]), states["python"][2]))
-    name, keys, *rest = states["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
-    torch.set_rng_state(states["torch"])
-    if states["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"][: torch.cuda.device_count()])
-
-
-def init_seeds(seed=0, deterministic=False):
-    """Seed python, numpy and torch; optionally ask torch for deterministic kernels."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-    torch.backends.cudnn.benchmark = not deterministic  # benchmark picks the fastest, not the same, kernels
-    if deterministic:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # required by deterministic cuBLAS
-        # warn_only: some CUDA kernels (e.g. adaptive pooling backward) have no deterministic version
-        torch.use_deterministic_algorithms(True, warn_only=True)
-
-
 def smart_DDP(model, device, comm_hook="none", bucket_cap_mb=TORCH_BUCKET_MB, **options):
-    """Wrap model in DistributedDataParallel behind version checks; comm_hook names a COMM_HOOKS compression of the
-    gradients' all-reduce, options are further DDP arguments (the recipe's ddp section holds both)."""
+    """Wrap model in DistributedDataParallel behind version checks; comm_hook names a compression of the gradients'
+    all-reduce (utils/config.py's COMM_HOOKS), options are further DDP arguments (the recipe's ddp section)."""
     if check_version(torch.__version__, "1.12.0", "torch ", pinned=True):
         raise UsageError("torch==1.12.0 DDP training is not supported due to a known issue; upgrade or "
                          "downgrade torch. See https://github.com/ultralytics/yolov5/issues/8395")
@@ -218,8 +122,8 @@ def smart_DDP(model, device, comm_hook="none", bucket_cap_mb=TORCH_BUCKET_MB, **
     # The hook holds under join() (a rank that has run out runs it on zeros, so its all-reduces still match) and
     # no_sync() (which skips it). fp16 keeps more bits than bf16 but flushes gradients below 6e-8 to zero unless
     # train.precision=fp16's loss scale lifts them.
-    if COMM_HOOKS[comm_hook] is not None:
-        ddp.register_comm_hook(None, COMM_HOOKS[comm_hook])  # state None: the hook all-reduces over the default group
+    if comm_hook != "none":  # state None: the hook all-reduces over the default group
+        ddp.register_comm_hook(None, getattr(default_hooks, f"{comm_hook}_compress_hook"))
     return ddp
 
 
@@ -241,11 +145,12 @@ def model_ema(model, decay, steps, global_batch, epochs):
     return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(1 - alpha), use_buffers=True)
 
 
-def broadcast_module(module, src=0):
-    """Copy rank src's parameters and buffers of module to every rank."""
-    if dist.is_initialized():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor.data, src=src)
+def update_ema(ema, model, warmup):
+    """Move the EMA towards the weights; during warmup it restarts each time, so it copies them (as torchvision's
+    reference recipes do: the early, fast-changing weights are not worth averaging)."""
+    ema.update_parameters(de_parallel(model))
+    if warmup:
+        ema.n_averaged.fill_(0)
 
 
 def ddp_of(model):
@@ -288,125 +193,3 @@ def compiled(model, enabled):
     return torch.compile(model) if enabled else model
 
 
-@contextmanager
-def torch_distributed_zero_first(local_rank=LOCAL_RANK):
-    """Let local rank 0 run the block (e.g. prepare a dataset) while the other local ranks wait for it."""
-    distributed = dist.is_initialized()
-    if distributed and local_rank != 0:
-        dist.barrier()
-    yield
-    if distributed and local_rank == 0:
-        dist.barrier()
-
-
-def broadcast_object(obj, src=0):
-    """Return rank src's obj on every rank (a no-op for one process)."""
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def on_rank0(fn, *args):
-    """Run fn(*args) on rank 0 alone and return its result on every rank. A UsageError or OSError it raises is
-    raised on every rank as one SharedError, so no rank is left waiting for a rank that has failed."""
-    result, error = None, None
-    if RANK == 0:
-        try:
-            result = fn(*args)
-        except (UsageError, OSError) as e:
-            error = error_line(e)
-    result, error = broadcast_object((result, error))
-    if error is not None:
-        raise SharedError(error)
-    return result
-
-
-def gather_object(obj):
-    """[obj of rank 0, obj of rank 1, ...] on every rank ([obj] for one process)."""
-    if not dist.is_initialized():
-        return [obj]
-    objects = [None] * dist.get_world_size()
-    dist.all_gather_object(objects, obj)
-    return objects
-
-
-def all_reduce_sum(tensor):
-    """Sum a tensor over all ranks in place and return it (a no-op for one process)."""
-    if dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor
-
-
-def broadcast_buffers(model, src=0):
-    """Copy rank src's buffers (BatchNorm running statistics) to every rank, so all ranks hold one model."""
-    if dist.is_initialized():
-        for buffer in model.buffers():
-            dist.broadcast(buffer, src=src)
-
-
-def broadcast_scaler_state(scaler, src=0):
-    """Copy rank src's GradScaler state (scale, growth tracker) to every rank, so all unscale and skip alike."""
-    if dist.is_initialized() and scaler.is_enabled():
-        scaler.load_state_dict(broadcast_object(scaler.state_dict(), src))
-
-
-def broadcast_optimizer_state(optimizer, src=0):
-    """Copy rank src's optimizer state (momentum, step counts) to every rank."""
-    if not dist.is_initialized():
-        return
-    device = optimizer.param_groups[0]["params"][0].device  # nccl moves only GPU tensors; gloo any
-    for state in optimizer.state.values():
-        for name, value in state.items():
-            if torch.is_tensor(value):
-                moved = value.to(device)
-                dist.broadcast(moved, src=src)
-                value.copy_(moved)
-
-
-def autocast_dtype(precision, device, key="train.precision"):
-    """Autocast dtype for a precision ('fp32' -> None; 'auto' -> native_precision), refusing combinations the
-    device can't run (the error names key, where the precision came from)."""
-    dtype = AUTOCAST_DTYPES[native_precision(device) if precision == "auto" else precision]
-    if dtype is torch.float16 and device.type != "cuda":
-        raise UsageError(f"{key}={precision} needs a CUDA device; use bf16 on CPU")
-    if dtype is torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise UsageError(f"{key}={precision} is not supported by this GPU; use fp16")
-    return dtype
-
-
-def native_precision(device, cpuinfo="/proc/cpuinfo"):
-    """precision=auto: the fastest precision this device trains in at fp32's accuracy. GPUs compute bf16 (else
-    fp16) on tensor cores; a CPU runs bf16 faster than fp32 only with AMX or AVX512-BF16 instructions, without
-    which oneDNN converts to fp32 and back (benchmarks/compute.py measures both)."""
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    try:
-        flags = set(open(cpuinfo).read().split())
-    except OSError:  # not Linux: no way to ask, so the precision every CPU runs at full speed
-        return "fp32"
-    return "bf16" if flags & {"amx_bf16", "avx512_bf16"} else "fp32"
-
-
-def inference_precision(requested, trained, device):
-    """(precision, autocast dtype) to evaluate in: the one asked for (--precision), else the one the checkpoint
-    was trained in, or fp32 (with a warning) where this device cannot run that one (fp16 on a CPU)."""
-    if requested:
-        return requested, autocast_dtype(requested, device, "--precision")
-    try:
-        return trained, autocast_dtype(trained, device)
-    except UsageError:
-        LOGGER.warning(f"the checkpoint was trained in {trained}, which {device.type} cannot run: evaluating in fp32 "
-                       f"(choose with --precision)")
-        return "fp32", None
-
-
-def autocast(device, dtype):
-    """Autocast context for dtype; disabled (fp32) when dtype is None."""
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
-
-
-def grad_scaler(device, dtype):
-    """GradScaler that is active only for fp16, the one dtype whose gradients underflow."""
-    return torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)

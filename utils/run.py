@@ -1,0 +1,138 @@
+"""A run's directory over its life: made for a new run, found again for --resume or after a torchrun restart
+of the workers, and the commands printed for what comes next (resume, val, predict, export)."""
+
+import glob
+import os
+import shlex
+import socket
+from pathlib import Path
+
+from utils.checkpoint import find_resume_checkpoint, load_training_checkpoint, run_dir_of
+from utils.config import Recipe, check_resumable, load_recipe, load_resumed_recipe, parse_overrides, recipe_to_yaml
+from utils.distributed import on_rank0
+from utils.general import (LOCAL_WORLD_SIZE, LOGGER, RESTART_COUNT, RUN_ID, WORLD_SIZE, SharedError, UsageError,
+                           colorstr, increment_path, short_path)
+
+
+def prepare_run(args, model_check=None):
+    """(recipe, run directory or None for a new one, (checkpoint path, checkpoint) or None) for this launch: a new
+    run, an explicit --resume, or this torchrun job's own run after torchrun restarted the workers. model_check
+    (models.check_model_name) checks model.name with the rest of the recipe."""
+    if args.resume is not None:
+        if args.recipe:
+            raise SharedError("--resume takes the recipe from the checkpoint: leave out --recipe (key=value "
+                              "overrides may still extend train.epochs, or change data.workers or device)")
+        project = parse_overrides(args.overrides).get("project", Recipe.project)
+        run_dir, path, ckpt = on_rank0(read_resume, args.resume, project)
+        cfg = load_resumed_recipe(ckpt["recipe"], args.overrides, source=path, model_check=model_check)
+        return cfg, Path(run_dir), (path, ckpt)
+    cfg = load_recipe(args.recipe or "cls.yaml", args.overrides, model_check=model_check)
+    if RESTART_COUNT:  # torchrun restarted the workers after a failure: continue this job's run where it stopped
+        run_dir, path, ckpt = on_rank0(read_restarted_run, cfg.project, cfg.name)
+        if ckpt is not None:
+            saved = load_resumed_recipe(ckpt["recipe"], source=path, model_check=model_check)
+            check_resumable(saved, cfg, "the recipe on restart")
+        LOGGER.info(f"torchrun restart {RESTART_COUNT}: continuing {run_dir or 'a new run'} "
+                    f"{'from ' + path if path else 'from the start'}")
+        return cfg, run_dir and Path(run_dir), (path, ckpt) if ckpt is not None else None
+    return cfg, None, None
+
+
+def read_resume(resume, project):
+    """Rank 0: (run directory, checkpoint path, checkpoint) for --resume."""
+    path = find_resume_checkpoint(resume, project)
+    ckpt = load_training_checkpoint(path)
+    check_latest(path, ckpt)
+    return str(run_dir_of(path)), str(path), ckpt
+
+
+def read_restarted_run(project, name):
+    """Rank 0: (run directory, last.pt path, checkpoint) of this torchrun job's run, Nones where there is none."""
+    runs = [d for d in Path(project).glob(f"{glob.escape(name)}*") if (d / ".torchrun_id").is_file()]
+    for run_dir in sorted(runs, key=lambda d: d.stat().st_mtime, reverse=True):
+        if (run_dir / ".torchrun_id").read_text() == job_id():
+            last = run_dir / "weights" / "last.pt"
+            return (str(run_dir), str(last), load_training_checkpoint(last)) if last.exists() else (str(run_dir),
+                                                                                                   None, None)
+    return None, None, None
+
+
+def job_id():
+    """What tells this torchrun job from any other: its run id, or under static rendezvous (--master-addr and
+    --master-port without --rdzv-id), where every job's run id is 'none', the launching agent (host and process),
+    which stays the same across its restarts and holds rank 0 on node 0."""
+    if RUN_ID != "none":
+        return RUN_ID
+    return f"none:{socket.gethostname()}:{os.getppid()}"
+
+
+def check_latest(path, ckpt):
+    """--resume continues a run only from its latest state: not from best.pt's EMA weights, and not from an older
+    checkpoint, which would rewind the run (drop later results and overwrite last.pt)."""
+    last = run_dir_of(path) / "weights" / "last.pt"
+    if ckpt.get("model_source", "training") != "training":
+        raise UsageError(f"--resume {path}: it holds the EMA of the weights (a best.pt), not the training state; "
+                         f"resume from {last}")
+    if last.is_file() and not last.samefile(path):
+        latest = load_training_checkpoint(last)
+        if (latest["epoch"], latest["step"]) != (ckpt["epoch"], ckpt["step"]):
+            raise UsageError(f"--resume {path}: not the run's latest state (saved {saved_at(ckpt)}, {last} "
+                             f"{saved_at(latest)}); resuming from it would rewind the run. Resume from {last}, or "
+                             f"start a new run from its weights with model.weights={path}")
+
+
+def saved_at(ckpt):
+    """Where in its run a checkpoint was saved, in a few words."""
+    return f"at epoch {ckpt['epoch'] + 1}, step {ckpt['step']}" if ckpt["step"] else f"after epoch {ckpt['epoch']}"
+
+
+def make_run_dir(cfg):
+    """Rank 0 claims project/name (exp, exp2, ...) and saves the resolved recipe there; every rank gets the path."""
+    def claim():
+        try:
+            run_dir = increment_path(Path(cfg.project) / cfg.name, mkdir=True)
+            (run_dir / "weights").mkdir()
+            (run_dir / "recipe.yaml").write_text(recipe_to_yaml(cfg))
+            if RUN_ID is not None:  # lets a torchrun restart of this job find its run
+                (run_dir / ".torchrun_id").write_text(job_id())
+        except OSError as e:
+            raise UsageError(f"project={cfg.project!r} name={cfg.name!r}: cannot create the run directory: "
+                             f"{e}") from None
+        return str(run_dir)
+    return Path(on_rank0(claim))
+
+
+def resumed_run_dir(run_dir, cfg):
+    """The run directory a resumed run continues in; rank 0 saves the (possibly extended) recipe there."""
+    def update():
+        (run_dir / "weights").mkdir(exist_ok=True)
+        (run_dir / "recipe.yaml").write_text(recipe_to_yaml(cfg))
+    on_rank0(update)
+    return run_dir
+
+
+def resume_command(run_dir):
+    """The command that continues this run from its last checkpoint, launched as this one was."""
+    run_dir = shlex.quote(str(run_dir))
+    if RUN_ID is None:
+        return f"python train.py --resume {run_dir}"
+    nodes = WORLD_SIZE // LOCAL_WORLD_SIZE
+    extra = f" --nnodes={nodes} (and this launch's --rdzv options, on every node)" if nodes > 1 else ""
+    return f"torchrun --nproc_per_node={LOCAL_WORLD_SIZE}{extra} train.py --resume {run_dir}"
+
+
+def next_steps(run_dir, state, seconds, val_folder):
+    """The end of a run: where its results are, its best score, and the commands that use them."""
+    best = shlex.quote(str(run_dir / "weights" / "best.pt"))  # pasted into a shell as printed
+    return (f"\n{state.epoch} epochs in {seconds:.1f}s. Results saved to {colorstr('bold', str(run_dir))} "
+            f"(results.csv, results.png, TensorBoard events, weights/)\nBest val top-1 {state.best_top1:.2%} at epoch "
+            f"{state.best_epoch}: {best}\nNext:\n  tensorboard --logdir {shlex.quote(str(run_dir.parent))}\n"
+            f"  python val.py --weights {best}\n"
+            f"  python predict.py --weights {best} --source {shlex.quote(str(short_path(val_folder)))}\n"
+            f"  python export.py --weights {best} --format onnx")
+
+
+def stopped_message(run_dir, epoch, step, steps):
+    """What to say when every rank agreed to stop on a signal and last.pt holds where the run is."""
+    return (f"\nStopped at epoch {epoch + 1 if step else epoch}, step {step or steps}/{steps}; saved "
+            f"{run_dir / 'weights' / 'last.pt'}. Resume with:\n  {resume_command(run_dir)}")
