@@ -5,6 +5,7 @@ Usage:
     python predict.py --weights runs/train/exp/weights/best.pt --source photo.jpg
     python predict.py --weights runs/train/exp/weights/best.pt --source photos/ --topk 3     # a folder, recursively
     python predict.py --weights runs/train/exp/weights/best.pt --source 'photos/**/*.jpg'     # a glob
+    python predict.py --weights runs/train/exp/weights/best.pt --source photos/ --tta --save-images  # see them
 """
 
 import argparse
@@ -24,11 +25,14 @@ from models import model_from_checkpoint
 from utils.checkpoint import load_model_checkpoint
 from utils.config import checkpoint_recipe
 from utils.distributed import exit_on_error
-from utils.general import LOGGER, UsageError, colorstr, cpu_count, format_table, increment_path
+from utils.general import LOGGER, RANK, UsageError, colorstr, cpu_count, format_table, increment_path
+from utils.plots import THUMBNAIL_SIDE, annotated_image, contact_sheet
 from utils.precision import autocast, inference_precision
 from utils.torch_utils import select_device, set_device
+from utils.tta import TTA_NAME, flip_warning, tta_logits
 
 MAX_ROWS_SHOWN = 50  # more predictions are saved but not printed
+SHEET_SIZE = 100  # images per contact sheet (10 x 10 thumbnails)
 
 
 def parse_args(argv=None):
@@ -40,6 +44,10 @@ def parse_args(argv=None):
     parser.add_argument("--workers", type=int, default=min(4, cpu_count() - 1), help="image-decoding processes")
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="autocast (default: the recipe's)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda (GPU LOCAL_RANK), or GPU N as N or cuda:N")
+    parser.add_argument("--tta", action="store_true",
+                        help="test-time augmentation: the mean softmax of each image and its horizontal flip")
+    parser.add_argument("--save-images", action="store_true",
+                        help="also save each image with its top-k drawn on it (images/) and contact sheets of all")
     parser.add_argument("--project", default="runs/predict", help="results go to project/name")
     parser.add_argument("--name", default="exp", help="run name, incremented (exp, exp2, ...) when taken")
     return parser.parse_args(argv)
@@ -109,6 +117,10 @@ def predict(args):
                         pin_memory=device.type == "cuda")
     model, normalize, k = model_from_checkpoint(ckpt, cfg, args.weights).to(device), normalizer(cfg.data, device), \
         min(args.topk, len(classes))
+    if args.tta and RANK == 0:
+        LOGGER.info(f"{colorstr('predict:')} TTA: {TTA_NAME}")
+        if flip_warning(cfg.data.hflip, args.weights):
+            LOGGER.warning(flip_warning(cfg.data.hflip, args.weights))
     rows, skipped = [], []
     with torch.no_grad():
         for images, indices, unreadable in tqdm(loader, desc="predict", disable=None if len(loader) > 1 else True,
@@ -119,15 +131,19 @@ def predict(args):
             if images is None:
                 continue
             with autocast(device, dtype):
-                logits = model(normalize(images.to(device, non_blocking=True)))
-            top = logits.float().softmax(dim=1).topk(k, dim=1)
+                images = normalize(images.to(device, non_blocking=True))
+                logits = tta_logits(model, images) if args.tta else model(images)
+            top = logits.float().softmax(dim=1).topk(k, dim=1)  # with TTA: the mean of the two softmaxes
             for i, probs, labels in zip(indices, top.values.tolist(), top.indices.tolist()):
                 rows.append({"file": str(paths[i]), "top": [{"class": classes[c], "prob": p}
                                                             for c, p in zip(labels, probs)]})
-    save_dir = increment_path(Path(args.project) / args.name, mkdir=True)
-    LOGGER.info(report(rows, skipped, k))
-    save_results(save_dir, rows, skipped, k, {"weights": str(args.weights), "source": str(args.source)})
-    LOGGER.info(f"Results saved to {colorstr('bold', str(save_dir))}: predictions.csv, predictions.json")
+    if RANK == 0:  # predict.py shares no work: under torchrun every process classifies every image, one saves
+        save_dir = increment_path(Path(args.project) / args.name, mkdir=True)
+        LOGGER.info(report(rows, skipped, k))
+        save_results(save_dir, rows, skipped, k, {"weights": str(args.weights), "source": str(args.source),
+                                                  "tta": args.tta})
+        files = ["predictions.csv", "predictions.json", *(save_images(save_dir, rows) if args.save_images else [])]
+        LOGGER.info(f"Results saved to {colorstr('bold', str(save_dir))}: {', '.join(files)}")
     return rows, skipped
 
 
@@ -142,13 +158,45 @@ def report(rows, skipped, k):
 
 def save_results(save_dir, rows, skipped, k, facts):
     """predictions.csv (file, then class and probability for each of the top k) and predictions.json."""
-    with open(save_dir / "predictions.csv", "w", newline="") as f:
+    with open(save_dir / "predictions.csv", "w", newline="", encoding="utf-8") as f:  # class names in any script
         writer = csv.writer(f)
         writer.writerow(["file", *(f"{name}{j + 1}" for j in range(k) for name in ("class", "prob"))])
         for r in rows:
             writer.writerow([r["file"], *(v for t in r["top"] for v in (t["class"], f"{t['prob']:.6g}"))])
     (save_dir / "predictions.json").write_text(json.dumps({**facts, "predictions": rows, "skipped": skipped},
                                                           indent=1) + "\n")
+
+
+def save_images(save_dir, rows):
+    """For people: images/NAME, each classified image with its top-k drawn on it (small ones enlarged), and contact
+    sheets of SHEET_SIZE thumbnails captioned with their top-1 (contact_sheet.jpg, contact_sheet_2.jpg, ...).
+    Returns what it wrote, for the console."""
+    (save_dir / "images").mkdir()
+    taken, sheets = set(), []
+    for start in range(0, len(rows), SHEET_SIZE):
+        thumbnails, captions = [], []
+        for r in rows[start : start + SHEET_SIZE]:
+            image = decode(r["file"])
+            lines = [f"{t['prob']:.2f} {t['class']}" for t in r["top"]]  # the probability first, as in yolov5
+            annotated_image(image, lines).save(save_dir / "images" / unique_name(Path(r["file"]), taken), quality=95)
+            image.thumbnail((THUMBNAIL_SIDE, THUMBNAIL_SIDE))  # a sheet holds thumbnails, not 100 full photos
+            thumbnails.append(image)
+            captions.append(lines[0])
+        sheets.append(f"contact_sheet{f'_{len(sheets) + 1}' if sheets else ''}.jpg")
+        contact_sheet(thumbnails, captions).save(save_dir / sheets[-1], quality=95)
+    return [f"images/ ({len(rows)})", *sheets]
+
+
+def unique_name(path, taken):
+    """The name of an image's annotated copy: its own, as PNG for a PNG and JPEG for any other format, with _2, _3,
+    ... before the suffix when an earlier image took it (compared case-blind, as some file systems compare)."""
+    suffix = ".png" if path.suffix.lower() == ".png" else ".jpg"
+    name, n = path.stem + suffix, 1
+    while name.lower() in taken:
+        n += 1
+        name = f"{path.stem}_{n}{suffix}"
+    taken.add(name.lower())
+    return name
 
 
 if __name__ == "__main__":

@@ -26,17 +26,19 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 from data.cache import batch_to
-from data.datasets import build_dataloader, check_shareable, set_epoch, training_datasets
+from data.datasets import balanced_class_weights, build_dataloader, check_shareable, set_epoch, training_datasets
+from data.layouts import save_split
 from data.mix import batch_mixer
 from data.transforms import crop_spec, normalizer, val_size
 from models import build_model, check_input_size, check_model_name, start_from
+from models.pretrained import fine_tuning, follow_weights, freeze_batchnorm
 from utils.checkpoint import restore, save_state
 from utils.config import Recipe
 from utils.distributed import cleanup_distributed, exit_on_error, keep_ranks_in_step, setup_distributed
 from utils.general import LOGGER, RANK, WORLD_SIZE, SharedError, UsageError, colorstr
 from utils.loggers import WRONG_SHOWN, RunLogger, epoch_summary
 from utils.metrics import EpochLoss, evaluate, evaluate_ema
-from utils.optim import build_optimizer, build_scheduler
+from utils.optim import build_optimizer, build_scheduler, stepped_parameters
 from utils.precision import autocast, autocast_dtype, grad_scaler
 from utils.run import make_run_dir, next_steps, prepare_run, resumed_run_dir, stopped_message
 from utils.seeds import init_seeds
@@ -57,9 +59,11 @@ class TrainState:
     step: int = 0  # steps done in the next epoch
     epoch_loss: tuple = (0.0, 0)  # (summed train loss, samples) of those steps, over all ranks
     logged_loss: tuple = (0.0, 0)  # epoch_loss when the loss was last logged (every train.log_every_steps steps)
-    best_top1: float = -1.0
+    best_top1: float = -1.0  # the best val score of best_metric so far (named, in checkpoints too, for the default)
     best_epoch: int = 0
+    best_metric: str = "top1"  # train.best_metric: what best.pt and train.patience follow, top1 or balanced_top1
     ema: torch.optim.swa_utils.AveragedModel | None = None  # EMA of the weights (train.ema_decay), None when off
+    frozen_epochs: int = 0  # fine-tuning (model.freeze_epochs): the pretrained part is frozen in epochs before this
 
 
 @dataclass
@@ -98,7 +102,7 @@ def parse_args(argv=None):
 
 @record  # under torchrun, an unexpected error's traceback becomes the reported root cause of the failure
 def main(argv=None):
-    """Join the process group, settle the recipe and checkpoint, train and return the best val top-1; bad input
+    """Join the process group, settle the recipe and checkpoint, train and return the best val score; bad input
     exits with code 2 and one line, a stop signal with 128 + its number after saving."""
     args = parse_args(argv)
     # Stop signals are caught from here on: one that arrives while the ranks set up stops the run after its first
@@ -107,7 +111,7 @@ def main(argv=None):
         with StopVote() as vote:
             setup_distributed()
             try:
-                cfg, run_dir, resume = prepare_run(args, check_model_name)
+                cfg, run_dir, resume = prepare_run(args, check_model_name, follow_weights)
                 vote.device = select_device(cfg.device)
                 set_device(vote.device)
                 best = train(cfg, vote, autocast_dtype(cfg.train.precision, vote.device), run_dir, resume)
@@ -122,19 +126,22 @@ def main(argv=None):
 
 def train(cfg, vote, dtype, run_dir=None, resume=None):
     """The whole run: data, model, optimizer, then per epoch train, validate, log and save. Returns the best val
-    top-1, or None when the ranks stopped on a signal. vote (a StopVote, entered) holds the training device."""
+    score of train.best_metric (top-1 by default), or None when the ranks stopped on a signal. vote (a StopVote,
+    entered) holds the training device."""
     device = vote.device
     threads, workers, workers_why = set_threads(cfg.data.workers, cfg.data.cache == "ram", device.type)
     init_seeds(cfg.seed + RANK, cfg.train.deterministic)  # own dropout stream per rank; DDP copies rank 0's init
-    train_set, val_set = training_datasets(cfg.data, cfg.seed)
+    # A resumed run reuses its saved data.val_split split (files added since change nothing); else it is made anew.
+    train_set, val_set = training_datasets(cfg.data, cfg.seed, run_dir if resume else None)
     classes = train_set.classes
     mix = batch_mixer(cfg.data, len(classes), cfg.seed)  # None unless MixUp or CutMix is on
     check_shareable(train_set, WORLD_SIZE, cfg.train.batch_size, cfg.data.drop_last, pairs=mix is not None)
     train_loader = build_dataloader(train_set, cfg.train.batch_size, True, cfg.seed, workers, device,
-                                    cfg.data.drop_last, pairs=mix is not None, repeats=cfg.data.repeats)
+                                    cfg.data.drop_last, pairs=mix is not None, repeats=cfg.data.repeats,
+                                    balanced=cfg.data.sampler == "balanced")
     val_loader = build_dataloader(val_set, cfg.train.batch_size, False, cfg.seed, workers, device)
     steps = train_loader.sampler.steps()[0]
-    state = build_state(cfg, len(classes), device, dtype, steps)
+    state = build_state(cfg, len(classes), device, dtype, steps, pretrained=not resume)
     if resume:
         restore(state, *resume, classes, cfg.train.epochs, len(train_set))
     if WORLD_SIZE > 1:  # after restore: DDP starts every rank from rank 0's weights
@@ -150,11 +157,12 @@ def train(cfg, vote, dtype, run_dir=None, resume=None):
     # Only now: a run that fails on its data or model leaves no directory behind.
     continuing = run_dir is not None  # resumed, or restarted by torchrun into this job's run
     run_dir = resumed_run_dir(run_dir, cfg) if continuing else make_run_dir(cfg)
+    save_split(run_dir, cfg, train_set, val_set)  # data.val_split's split, for a resume and val.py to reuse
     logger = RunLogger(run_dir, cfg, classes, (state.epoch, state.epoch * steps + state.step) if continuing else None
                        ) if RANK == 0 else None
     loop = Loop(OmegaConf.to_object(cfg), train_loader, val_loader, normalizer(cfg.data, device), mix,
-                nn.CrossEntropyLoss(label_smoothing=cfg.train.label_smoothing, reduction="sum"), dtype, vote, logger,
-                run_dir, OmegaConf.to_container(cfg), list(classes), len(train_set))
+                build_criterion(cfg.train, train_set, device), dtype, vote, logger, run_dir,
+                OmegaConf.to_container(cfg), list(classes), len(train_set))
     start = time.time()
     for epoch in range(state.epoch, cfg.train.epochs):
         epoch_start = time.time()
@@ -179,19 +187,22 @@ def train(cfg, vote, dtype, run_dir=None, resume=None):
     return state.best_top1
 
 
-def build_state(cfg, num_classes, device, dtype, steps):
-    """The model (with model.weights, on the device), its optimizer, schedule, GradScaler and EMA."""
+def build_state(cfg, num_classes, device, dtype, steps, pretrained=True):
+    """The model (with model.weights where pretrained, on the device), its optimizer (fine-tuning: the pretrained
+    part apart from the new head), schedule, GradScaler and EMA."""
     model = build_model(cfg.model, num_classes, cfg.data.img_size)
-    if cfg.model.weights:
-        start_from(model, cfg.model.weights, num_classes)
+    if cfg.model.weights and pretrained:  # not when resuming: the checkpoint holds every weight, and no download
+        start_from(model, cfg.model, num_classes)
+    head, backbone_lr, frozen_epochs = fine_tuning(cfg.model, num_classes, model)
     model = model.to(device, memory_format=memory_format(cfg.train.channels_last))
     check_input_size(model, cfg.model.name, cfg.data.img_size, device)
     if val_size(cfg.data) != cfg.data.img_size:
         check_input_size(model, cfg.model.name, val_size(cfg.data), device, key="data.val_img_size")
     model = sync_batchnorm(model, cfg.model.sync_bn, device)
-    optimizer = build_optimizer(model, cfg.optim)
-    state = TrainState(model, optimizer, build_scheduler(optimizer, cfg.sched, cfg.train.epochs, steps),
-                       grad_scaler(device, dtype))
+    optimizer = build_optimizer(model, cfg.optim, head, backbone_lr)
+    scheduler = build_scheduler(optimizer, cfg.sched, cfg.train.epochs, steps, frozen_epochs)
+    state = TrainState(model, optimizer, scheduler, grad_scaler(device, dtype), best_metric=cfg.train.best_metric,
+                       frozen_epochs=frozen_epochs)
     if cfg.train.ema_decay:
         if cfg.train.ema_steps > cfg.train.epochs * steps:
             raise SharedError(f"train.ema_steps={cfg.train.ema_steps} is more than the run's "
@@ -201,6 +212,16 @@ def build_state(cfg, num_classes, device, dtype, steps):
     return state
 
 
+def build_criterion(cfg, train_set, device):
+    """Cross-entropy summed over a batch, with label smoothing and train.class_weights (cfg: the train section)."""
+    # train_step divides the sum by the global step's sample count: with class weights, the step's gradient is the
+    # weighted sum over its samples / their count. A weighted mean would divide by the step's summed weight, which
+    # takes every rank's share (a collective per step); the count is known to every rank at any N. The weights
+    # average 1 over the training set, so train/loss, the weighted loss per image, keeps the unweighted scale.
+    weight = balanced_class_weights(train_set).to(device) if cfg.class_weights == "balanced" else None
+    return nn.CrossEntropyLoss(weight, label_smoothing=cfg.label_smoothing, reduction="sum")
+
+
 def train_one_epoch(loop, state, epoch, show_batch=False):
     """Train this rank's share of the epoch from step state.step to its end, or until the ranks agree to stop
     (state.step then says where, and last.pt holds it); returns (images all ranks trained on, whether stopped).
@@ -208,6 +229,8 @@ def train_one_epoch(loop, state, epoch, show_batch=False):
     cfg, sampler, device = loop.cfg, loop.loader.sampler, loop.vote.device
     set_epoch(loop.loader, epoch, state.step)
     state.model.train()
+    if epoch < state.frozen_epochs:  # the pretrained part's weights are held by a zero lr (build_scheduler)
+        freeze_batchnorm(state.model)
     most, fewest = sampler.steps()  # ranks' shares differ by a sample, so a rank may take one step fewer
     running, tail_loss, stopped = EpochLoss(state.epoch_loss, device), None, False
     bar = tqdm(loop.loader, desc=f"{epoch + 1}/{cfg.train.epochs}", initial=state.step, total=most,
@@ -257,7 +280,7 @@ def train_step(state, images, targets, criterion, dtype, cfg, step_samples, accu
         total += loss_sum.detach()
     if cfg.optim.clip_grad_norm:
         state.scaler.unscale_(state.optimizer)  # clip the true gradient, not fp16's scaled one
-        nn.utils.clip_grad_norm_(state.model.parameters(), cfg.optim.clip_grad_norm)
+        nn.utils.clip_grad_norm_(stepped_parameters(state.optimizer), cfg.optim.clip_grad_norm)  # not a frozen part's
     state.scaler.step(state.optimizer)
     state.scaler.update()
     state.scheduler.step()
@@ -289,22 +312,26 @@ def at_shared_step(loop, state, epoch, verdict, running, epoch_end=False):
 
 
 def validate(loop, state, epoch):
-    """Every rank in step again (an epoch may end unevenly), then the val metrics of the weights and their EMA."""
+    """Every rank in step again (an epoch may end unevenly), then the val metrics of the weights and their EMA
+    (with train.tta, of each image and its flip)."""
     keep_ranks_in_step(state, loop.loader, epoch)
     args = (loop.val_loader, loop.normalize, len(loop.classes), loop.vote.device, loop.dtype)
-    metrics = evaluate(de_parallel(state.model), *args, keep_wrong=WRONG_SHOWN if loop.logger else 0)
-    return {**metrics, **evaluate_ema(state.ema, *args)}
+    tta = loop.cfg.train.tta
+    metrics = evaluate(de_parallel(state.model), *args, keep_wrong=WRONG_SHOWN if loop.logger else 0, tta=tta)
+    return {**metrics, **evaluate_ema(state.ema, *args, tta=tta)}
 
 
 def end_epoch(loop, state, epoch, metrics):
-    """Commit the epoch: the best score so far (of the weights or their EMA, whichever is better), the logs, and
-    last.pt (and best.pt when it improved). Returns whether a stop signal arrived during validation."""
+    """Commit the epoch: the best score of train.best_metric so far (of the weights or their EMA, whichever is
+    better), the logs, and last.pt (and best.pt when it improved). Returns whether a stop signal arrived during
+    validation."""
     state.epoch, state.step, state.epoch_loss, state.logged_loss = epoch + 1, 0, (0.0, 0), (0.0, 0)
-    ema_better = state.ema is not None and metrics["val/ema_top1"] > metrics["val/top1"]
-    top1 = metrics["val/ema_top1"] if ema_better else metrics["val/top1"]
-    improved = top1 > state.best_top1
+    name = state.best_metric
+    ema_better = state.ema is not None and metrics[f"val/ema_{name}"] > metrics[f"val/{name}"]
+    score = metrics[f"val/ema_{name}"] if ema_better else metrics[f"val/{name}"]
+    improved = score > state.best_top1
     if improved:
-        state.best_top1, state.best_epoch = top1, epoch + 1
+        state.best_top1, state.best_epoch = score, epoch + 1
     if loop.logger:
         loop.logger.log_epoch(metrics, (epoch + 1) * loop.loader.sampler.steps()[0])
         LOGGER.info(epoch_summary(metrics, loop.cfg.train.epochs))

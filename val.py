@@ -1,11 +1,13 @@
-"""Validate a checkpoint: top-1, top-5, loss, per-class precision, recall and top-5 accuracy, and the confusion
-matrix, as one process or many under torchrun (every image is counted exactly once).
+"""Validate a checkpoint: top-1, balanced top-1 (mean per-class recall), top-5, loss, per-class precision, recall
+and top-5 accuracy, and the confusion matrix, as one process or many under torchrun (every image is counted exactly
+once).
 
 The checkpoint carries its class names and its recipe's preprocessing, so no recipe is needed.
 
 Usage:
     python val.py --weights runs/train/exp/weights/best.pt
     torchrun --nproc_per_node=2 val.py --weights runs/train/exp/weights/best.pt --split train
+    python val.py --weights runs/train/exp/weights/best.pt --tta      # each image and its horizontal flip
 """
 
 import argparse
@@ -26,6 +28,7 @@ from utils.metrics import evaluate, per_class
 from utils.plots import confusion_figure, save_figure
 from utils.precision import inference_precision
 from utils.torch_utils import select_device, set_device, set_threads
+from utils.tta import TTA_NAME, flip_warning
 
 MAX_CLASSES_SHOWN = 50  # more classes are saved to per_class.csv but not printed
 
@@ -40,6 +43,8 @@ def parse_args(argv=None):
     parser.add_argument("--workers", type=int, help="DataLoader workers per process (default: the recipe's)")
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="autocast (default: the recipe's)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda (GPU LOCAL_RANK), or GPU N as N or cuda:N")
+    parser.add_argument("--tta", action="store_true",
+                        help="test-time augmentation: the mean softmax of each image and its horizontal flip")
     parser.add_argument("--project", default="runs/val", help="results go to project/name")
     parser.add_argument("--name", default="exp", help="run name, incremented (exp, exp2, ...) when taken")
     return parser.parse_args(argv)
@@ -81,14 +86,16 @@ def validate(args):
     model = model_from_checkpoint(ckpt, cfg, args.weights).to(device)
     LOGGER.info(f"{colorstr('val:')} {args.weights} ({position(ckpt)}) on {short_path(dataset.root)}: "
                 f"{len(dataset)} images, {len(classes)} classes; {WORLD_SIZE} process(es) on {device.type}, "
-                f"batch {batch_size}, {precision}")
-    metrics = evaluate(model, loader, normalizer(cfg.data, device), len(classes), device, dtype)
+                f"batch {batch_size}, {precision}{f'; TTA: {TTA_NAME}' if args.tta else ''}")
+    if args.tta and flip_warning(cfg.data.hflip, args.weights) and RANK == 0:  # warnings print on every rank
+        LOGGER.warning(flip_warning(cfg.data.hflip, args.weights))
+    metrics = evaluate(model, loader, normalizer(cfg.data, device), len(classes), device, dtype, tta=args.tta)
     if RANK == 0:
         save_dir = increment_path(Path(args.project) / args.name, mkdir=True)
         LOGGER.info(report(metrics, classes))
         files = save_results(save_dir, metrics, classes, {
             "weights": str(args.weights), "epoch": ckpt["epoch"], "step": ckpt["step"], "data": str(dataset.root),
-            "processes": WORLD_SIZE, "batch_size": batch_size, "precision": precision})
+            "processes": WORLD_SIZE, "batch_size": batch_size, "precision": precision, "tta": args.tta})
         LOGGER.info(f"Results saved to {colorstr('bold', str(save_dir))}: {', '.join(files)}")
     return metrics
 
@@ -96,8 +103,8 @@ def validate(args):
 def report(metrics, classes):
     """The console report: overall metrics, then one row per class (top-5 with 5 classes or more)."""
     top5 = "" if metrics["val/top5"] is None else f"  top-5 {metrics['val/top5']:.2%}"
-    overall = (f"top-1 {metrics['val/top1']:.2%}{top5}  loss {metrics['val/loss']:.4f}  "
-               f"({metrics['val/samples']} images)")
+    overall = (f"top-1 {metrics['val/top1']:.2%}  balanced top-1 {metrics['val/balanced_top1']:.2%}{top5}  "
+               f"loss {metrics['val/loss']:.4f}  ({metrics['val/samples']} images)")
     if len(classes) > MAX_CLASSES_SHOWN:
         return f"{overall}\n(per-class results of the {len(classes)} classes in per_class.csv)"
     columns = 5 if metrics["val/top5"] is not None else 4
@@ -114,17 +121,17 @@ def fmt(value):
 def save_results(save_dir, metrics, classes, facts):
     """metrics.json, per_class.csv, and the confusion matrix (when kept) as CSV (counts) and PNG (rows
     normalised); returns the names of the files written."""
-    summary = {"top1": metrics["val/top1"], "top5": metrics["val/top5"], "loss": metrics["val/loss"],
-               "images": metrics["val/samples"], **facts}
+    summary = {"top1": metrics["val/top1"], "balanced_top1": metrics["val/balanced_top1"], "top5": metrics["val/top5"],
+               "loss": metrics["val/loss"], "images": metrics["val/samples"], **facts}
     (save_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
-    with open(save_dir / "per_class.csv", "w", newline="") as f:
+    with open(save_dir / "per_class.csv", "w", newline="", encoding="utf-8") as f:  # class names in any script
         writer = csv.writer(f)
         writer.writerow(["class", "images", "precision", "recall", "top5"])
         for name, row in zip(classes, per_class(metrics["class_counts"])):
             writer.writerow([name, *("" if v is None else f"{v:.6g}" for v in row)])
     if metrics["confusion"] is None:  # too many classes to keep one
         return ["metrics.json", "per_class.csv"]
-    with open(save_dir / "confusion_matrix.csv", "w", newline="") as f:
+    with open(save_dir / "confusion_matrix.csv", "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(["true \\ predicted", *classes])
         writer.writerows([name, *row] for name, row in zip(classes, metrics["confusion"].tolist()))

@@ -1,5 +1,5 @@
-"""Datasets and their loaders: the embedded digits set written as an ImageFolder, any user ImageFolder, or CIFAR-10/100
-(data/cifar.py)."""
+"""Datasets and their loaders: the embedded digits set written as an ImageFolder, a user's dataset root in any layout
+(class folders, CSVs or a held-out split: data/layouts.py), or CIFAR-10/100 (data/cifar.py)."""
 
 import os
 import shutil
@@ -17,11 +17,14 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 import utils.general
 from data.cache import RamImages, cached_datasets, keep_batch
 from data.cifar import CIFAR, cifar_dataset
-from data.sampler import DistributedShuffleSampler, SeededSamples, seed_hash
+from data.layouts import (CLASS_FOLDERS, CSV_FILES, SPLIT_FILE, VAL_NAMES, HoldOut, csv_dataset, csv_datasets, either,
+                          find_layout, first_present, listed_split, read_split, split_files)
+from data.sampler import BalancedSampler, DistributedShuffleSampler, SeededSamples, seed_hash
 from data.transforms import train_transforms, val_transforms
 from data.verify import UNREADABLE, decode, unreadable_images, unreadable_reason
-from utils.distributed import torch_distributed_zero_first
-from utils.general import LOCAL_RANK, LOGGER, RANK, WORLD_SIZE, DatasetError, ImageError, colorstr
+from utils.checkpoint import run_dir_of
+from utils.distributed import on_rank0, torch_distributed_zero_first
+from utils.general import LOCAL_RANK, LOGGER, RANK, WORLD_SIZE, DatasetError, ImageError, colorstr, short_path
 
 
 def write_digits(root):
@@ -61,19 +64,20 @@ def dataset_root(name):
     root = Path(name)
     if not root.is_dir():
         raise DatasetError(f"data.name '{name}' is neither a dataset here ({', '.join([*EMBEDDED, *CIFAR])}) "
-                           f"nor a directory; give the path of an ImageFolder root holding train/<class>/* and "
-                           f"val/<class>/* (nothing is downloaded)")
+                           f"nor a directory; give the path of a dataset root holding train/<class>/* and "
+                           f"val/<class>/*, train.csv and val.csv, or class folders (nothing is downloaded)")
     return root
 
 
 def split_dir(root, split):
-    """root/train, or for split 'val' root/val falling back to root/test."""
-    names = ("val", "test") if split == "val" else (split,)
+    """root/train, or for split 'val' the first of root/val, root/valid and root/test."""
+    names = VAL_NAMES if split == "val" else (split,)
     for name in names:
         if (root / name).is_dir():
             return root / name
-    raise DatasetError(f"{root}: no {' or '.join(f'{n}/' for n in names)} folder; an ImageFolder root holds "
-                       f"train/<class>/* and val/<class>/* (or test/<class>/*)")
+    hold_out = f"; or hold out part of train/: data.name={root / 'train'} data.val_split=0.2" if split == "val" else ""
+    raise DatasetError(f"{root}: no {either([f'{n}/' for n in names])} folder; an ImageFolder root holds "
+                       f"train/<class>/* and val/<class>/* (or valid/, test/){hold_out}")
 
 
 def load_rgb(path):
@@ -117,7 +121,15 @@ def labelled_as(dataset, classes, unknown_means):
 
 
 def eval_dataset(root, split, transform, classes, weights):
-    """root's split (train, val or test) labelled with the classes a checkpoint (weights) was trained on."""
+    """root's split (train, val or test) labelled with the classes a checkpoint (weights) was trained on, in any
+    layout (data/layouts.py); a root of class folders as split by data.val_split, in the checkpoint's run."""
+    layout = find_layout(root)
+    if layout == CSV_FILES:
+        names = [f"{name}.csv" for name in (VAL_NAMES if split == "val" else (split,))]
+        return csv_dataset(first_present(root, names, "to evaluate"), transform, load_rgb, classes,
+                           f"is not among the {len(classes)} classes {weights} was trained on")
+    if layout == CLASS_FOLDERS:
+        return saved_split_dataset(root, split, transform, classes, weights)
     folder = root / split if split != "val" else split_dir(root, "val")
     if not folder.is_dir():
         raise DatasetError(f"{root}: no {split}/ folder (an ImageFolder root holds train/, val/ or test/, each "
@@ -126,11 +138,25 @@ def eval_dataset(root, split, transform, classes, weights):
                        f"are not among the {len(classes)} classes {weights} was trained on")
 
 
+def saved_split_dataset(root, split, transform, classes, weights):
+    """val.py on a root of class folders: the train or val files of the split that the checkpoint's run saved."""
+    if split == "test":
+        raise DatasetError(f"{root}: no test split; data.val_split splits a folder of class folders into train and "
+                           f"val only")
+    path = run_dir_of(weights) / SPLIT_FILE
+    record = read_split(path, f"val.py reads {root}, a folder of class folders, as the run that trained {weights} "
+                              f"split it: keep the checkpoint in its run's weights/ folder, or give --data a root "
+                              f"with a val/ folder")
+    return listed_split(root, record, split, transform, load_rgb, classes, path)
+
+
 def skip_unreadable(dataset):
     """Drop a dataset's unreadable images (each decoded once, see data/verify.py); return them as {path: reason}."""
     folder = Path(dataset.root)
     paths = [path for path, _ in dataset.samples]
-    bad = unreadable_images(folder, paths, folder.parent / f".verified-{folder.name}.json")
+    # An ImageFolder's split keeps them beside its folder; listed images (CSV, data.val_split) name their own file.
+    cache_file = getattr(dataset, "verify_cache", folder.parent / f".verified-{folder.name}.json")
+    bad = unreadable_images(folder, paths, cache_file)
     if len(bad) == len(paths):
         path, reason = next(iter(bad.items()))
         raise DatasetError(f"{folder}: none of its {len(bad)} images is readable (e.g. {path}: {reason}); replace "
@@ -154,12 +180,25 @@ def skipped_message(skipped, shown=20):
     return "\n".join([header, *lines])
 
 
-def build_datasets(root, train_transform, val_transform, skip_corrupt=False):
-    """Train and val ImageFolders, unreadable images dropped if skip_corrupt; val labels follow train's class
-    indices (val may lack some classes)."""
-    train_set = image_folder(split_dir(root, "train"), train_transform)
-    val_set = labelled_as(image_folder(split_dir(root, "val"), val_transform), train_set.classes,
-                          f"have no training images in {split_dir(root, 'train')}")
+def build_datasets(root, train_transform, val_transform, skip_corrupt=False, hold_out=None):
+    """Train and val datasets of a root in any layout (data/layouts.py): train/ and the first of val/, valid/ and
+    test/ as ImageFolders, train.csv and val.csv, or class folders split by data.val_split (hold_out, a HoldOut);
+    rank 0 logs which. Unreadable images dropped if skip_corrupt; val labels follow train's class indices (val may
+    lack some classes)."""
+    hold_out = hold_out or HoldOut()
+    layout = find_layout(root, hold_out.share)
+    if layout == CSV_FILES:
+        train_set, val_set = csv_datasets(root, train_transform, val_transform, load_rgb)
+        used = f"training on train.csv, validating on {val_set.name}.csv"
+    elif layout == CLASS_FOLDERS:
+        train_set, val_set, used = held_out_datasets(root, train_transform, val_transform, hold_out)
+    else:
+        train_dir, val_dir = split_dir(root, "train"), split_dir(root, "val")
+        train_set = image_folder(train_dir, train_transform)
+        val_set = labelled_as(image_folder(val_dir, val_transform), train_set.classes,
+                              f"have no training images in {train_dir}")
+        used = f"training on train/, validating on {val_dir.name}/"
+    LOGGER.info(f"{colorstr('data:')} {short_path(root)}: {used}")  # LOGGER prints on rank 0 alone
     if skip_corrupt:
         skipped = {**skip_unreadable(train_set), **skip_unreadable(val_set)}
         if skipped and RANK == 0:  # every rank skipped the same files
@@ -167,20 +206,40 @@ def build_datasets(root, train_transform, val_transform, skip_corrupt=False):
     return train_set, val_set
 
 
-def train_val_datasets(name, train_transform, val_transform, skip_corrupt=False):
-    """The train and val datasets data.name names: CIFAR-10/100's training and test sets, or an ImageFolder's
-    (embedded or the user's) train/ and val/ folders."""
+def held_out_datasets(root, train_transform, val_transform, hold_out):
+    """data.val_split's (train set, val set, how they were made) of a root of class folders: split afresh by rank
+    0, whose lists every rank takes (one split, even while files are being added), or as the resumed run saved it."""
+    if hold_out.saved_in is None:
+        record = on_rank0(lambda: split_files(image_folder(root, None), hold_out.share, hold_out.seed))
+        source, used = root, (f"data.val_split={hold_out.share} of each class's images held out for val (seed "
+                              f"{hold_out.seed}); the run saves this split as {SPLIT_FILE}")
+    else:
+        source = hold_out.saved_in / SPLIT_FILE
+        record = read_split(source, "without it the resumed run cannot go on with the same split; start a new run")
+        used = f"the run's split, from {source}"
+    return (*(listed_split(root, record, which, transform, load_rgb, record["classes"], source)
+              for which, transform in (("train", train_transform), ("val", val_transform))), used)
+
+
+def train_val_datasets(name, train_transform, val_transform, skip_corrupt=False, hold_out=None):
+    """The train and val datasets data.name names: CIFAR-10/100's training and test sets, or those of a dataset
+    root (embedded or the user's) in any layout (build_datasets)."""
     if name in CIFAR:  # read from their own file format under datasets/ (data/cifar.py)
+        if hold_out and hold_out.share:
+            raise DatasetError(f"data.val_split={hold_out.share}: {name} validates on its own test set; set "
+                               f"data.val_split=0")
         return cifar_dataset(name, True, train_transform), cifar_dataset(name, False, val_transform)
-    return build_datasets(dataset_root(name), train_transform, val_transform, skip_corrupt)
+    return build_datasets(dataset_root(name), train_transform, val_transform, skip_corrupt, hold_out)
 
 
-def training_datasets(cfg, seed):
+def training_datasets(cfg, seed, saved_in=None):
     """The train and val sets of a recipe's data section: transformed per image as loaded, or with data.cache=ram
-    decoded once into memory (RamImages), training's crop and flip then drawn per batch."""
+    decoded once into memory (RamImages), training's crop and flip then drawn per batch. saved_in: a resumed run's
+    directory, whose saved data.val_split split is reused (see data/layouts.py)."""
+    hold_out = HoldOut(cfg.val_split, seed, saved_in)
     if cfg.cache != "ram":
-        return train_val_datasets(cfg.name, train_transforms(cfg), val_transforms(cfg), cfg.skip_corrupt)
-    train_source, val_source = train_val_datasets(cfg.name, None, None, cfg.skip_corrupt)
+        return train_val_datasets(cfg.name, train_transforms(cfg), val_transforms(cfg), cfg.skip_corrupt, hold_out)
+    train_source, val_source = train_val_datasets(cfg.name, None, None, cfg.skip_corrupt, hold_out)
     return cached_datasets(train_source, val_source, cfg, seed, val_transforms(cfg))
 
 
@@ -210,17 +269,20 @@ def check_shareable(train_set, world_size=WORLD_SIZE, batch_size=1, drop_last=Fa
                            f"image(s) are fewer than one global batch (train.batch_size={batch_size})")
 
 
-def build_dataloader(dataset, batch_size, train, seed, workers, device, drop_last=False, pairs=False, repeats=1):
+def build_dataloader(dataset, batch_size, train, seed, workers, device, drop_last=False, pairs=False, repeats=1,
+                     balanced=False):
     """DataLoader over this rank's share of dataset (see DistributedShuffleSampler); batch_size is global.
 
     For training the order is shuffled per epoch and each sample's augmentation seeded (see SeededSamples); call
     set_epoch(loader, epoch) before each epoch. With pairs, consecutive samples of the order come in pairs on one
-    rank (for MixUp and CutMix); repeats > 1 is repeated augmentation. A RamImages dataset gathers whole batches
-    itself (and seeds its training crops the same way).
+    rank (for MixUp and CutMix); repeats > 1 is repeated augmentation; balanced draws each class equally often
+    (BalancedSampler, from dataset.targets). A RamImages dataset gathers whole batches itself (and seeds its
+    training crops the same way).
     """
-    sampler = DistributedShuffleSampler(len(dataset), RANK, WORLD_SIZE, shuffle=train, seed=seed,
-                                        batch_size=batch_size, drop_last=train and drop_last, group=2 if pairs else 1,
-                                        repeats=repeats if train else 1)
+    options = dict(rank=RANK, world_size=WORLD_SIZE, shuffle=train, seed=seed, batch_size=batch_size,
+                   drop_last=train and drop_last, group=2 if pairs else 1, repeats=repeats if train else 1)
+    sampler = (BalancedSampler(dataset.targets, **options) if train and balanced
+               else DistributedShuffleSampler(len(dataset), **options))
     # Worker w seeds torch, random and numpy with base + w, base drawn from this generator, which set_epoch
     # reseeds from (seed, epoch, rank); the transforms of training samples draw from SeededSamples' seeds instead.
     generator = torch.Generator().manual_seed(seed_hash(seed, 0, RANK))
@@ -243,3 +305,12 @@ def set_epoch(loader, epoch, start_step=0):
     loader.sampler.set_epoch(epoch, start_step)
     loader.dataset.set_epoch(epoch)
     loader.generator.manual_seed(seed_hash(loader.sampler.seed, epoch, RANK))  # a resumed epoch draws the same
+
+
+def balanced_class_weights(dataset):
+    """train.class_weights=balanced, scikit-learn's: class c weighs n / (k * count_c), for n images in k classes
+    that have any, so the weights of the n images average 1 and a weighted loss keeps the unweighted one's scale.
+    A class without images weighs 0."""
+    counts = torch.bincount(torch.as_tensor(dataset.targets, dtype=torch.int64), minlength=len(dataset.classes))
+    weights = len(dataset) / (counts.count_nonzero() * counts.double())  # inf where count_c is 0: replaced
+    return torch.where(counts > 0, weights, 0.0).float()

@@ -1,5 +1,5 @@
 """What each training step sees, from (seed, epoch) alone: the seeded distributed sampler, one permutation per epoch
-dealt out to the ranks with nothing padded, and per-sample augmentation seeds."""
+(or class-balanced draws) dealt out to the ranks with nothing padded, and per-sample augmentation seeds."""
 
 import math
 
@@ -43,10 +43,14 @@ class DistributedShuffleSampler(Sampler):
             return torch.arange(self.size)
         # A hash, not seed + epoch: seed 1 is then not seed 0 shifted by one epoch.
         generator = torch.Generator().manual_seed(seed_hash(self.seed, self.epoch))
-        order = torch.randperm(self.dataset_size, generator=generator)
+        order = self.draw(generator)
         if self.repeats > 1:
             order = self.repeated(order)
         return order[: self.size]  # drop_last: a different remainder is left out each epoch
+
+    def draw(self, generator):
+        """The epoch's order of samples before repeats: every sample once."""
+        return torch.randperm(self.dataset_size, generator=generator)
 
     def repeated(self, order):
         """order with each group of `group` images repeated `repeats` times in a row (a b, a b, ... for pairs, so
@@ -100,6 +104,48 @@ class DistributedShuffleSampler(Sampler):
         if self.step_samples(step) == self.batch_size:  # a whole global batch: every rank holds its full share
             return accumulate
         return min(accumulate, *(n for n in (self.step_share(step, r) for r in range(self.world_size)) if n))
+
+
+class BalancedSampler(DistributedShuffleSampler):
+    """data.sampler=balanced: a DistributedShuffleSampler whose epoch is len(targets) draws with replacement, each
+    a class chosen uniformly (among those with samples), then one of its samples: every class is drawn equally
+    often, in expectation, however many samples it has.
+
+    The draws come from (seed, epoch) alone and are dealt to the ranks as the permutation is, so the global order is
+    the same at any world size and a resumed epoch continues it. A sample drawn k times in an epoch has ids i,
+    i + n, ..., i + (k - 1) * n (n samples), as repeated augmentation's copies: each copy is augmented afresh, where
+    its one per-sample seed would augment all k alike.
+    """
+
+    def __init__(self, targets, **kwargs):
+        targets = torch.as_tensor(targets, dtype=torch.int64)
+        super().__init__(len(targets), **kwargs)
+        counts = torch.bincount(targets)
+        present = counts.nonzero().flatten()
+        self.by_class = torch.argsort(targets, stable=True)  # sample indices, class by class
+        self.counts, self.starts = counts[present], (counts.cumsum(0) - counts)[present]
+
+    def draw(self, generator):
+        """len(targets) samples: a class uniformly, then one of its samples uniformly."""
+        pick = torch.randint(len(self.counts), (self.dataset_size,), generator=generator)
+        # An integer modulo the class's count: uniform but for a bias below count / 2**62.
+        within = torch.randint(2**62, (self.dataset_size,), generator=generator) % self.counts[pick]
+        return self.by_class[self.starts[pick] + within]
+
+    def permutation(self):
+        """The epoch's draws, each sample's repeats numbered as copies (repeated augmentation's ids included)."""
+        order = super().permutation() % self.dataset_size
+        return order + self.dataset_size * occurrence(order)
+
+
+def occurrence(order):
+    """For each position of order, how many times its value came before it."""
+    values, index = torch.sort(order, stable=True)
+    position = torch.arange(len(order))
+    first = torch.ones(len(order), dtype=torch.bool)
+    first[1:] = values[1:] != values[:-1]
+    run_start = torch.where(first, position, 0).cummax(0).values
+    return torch.empty_like(order).scatter_(0, index, position - run_start)
 
 
 class SeededSamples(Dataset):

@@ -8,7 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
 
-from PIL import Image, UnidentifiedImageError
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from utils.distributed import broadcast_object, gather_object
 from utils.general import LOCAL_WORLD_SIZE, LOGGER, RANK, WORLD_SIZE, colorstr, cpu_count
@@ -17,12 +18,30 @@ from utils.general import LOCAL_WORLD_SIZE, LOGGER, RANK, WORLD_SIZE, colorstr, 
 UNREADABLE = (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError)
 CACHE_VERSION = 1
 CHUNK = 64  # files per thread-pool task: a task per file costs more than checking a cached one
+SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # 16-bit PNG, TIFF and PGM; "I" as older Pillows read them
+BACKGROUND = (255, 255, 255)  # what transparent pixels show: white, as on a web page or a photo viewer
 
 
 def decode(path):
-    """A fully decoded RGB image: Image.open reads only the header, convert() reads and decodes the pixels."""
+    """A fully decoded RGB image as a person sees the file: turned upright as its EXIF orientation says (cameras
+    store portraits sideways), then made RGB by to_rgb."""
     with Image.open(path) as image:
-        return image.convert("RGB")
+        ImageOps.exif_transpose(image, in_place=True)  # reads and decodes the pixels (Image.open read the header)
+        return to_rgb(image)
+
+
+def to_rgb(image):
+    """An image of any mode as RGB: 16-bit values scaled to 8 bits (convert("RGB") would clip everything above 255
+    to white), transparency (an alpha channel, or a palette's or colour key's) composited on BACKGROUND (dropping
+    alpha would show whatever colours the invisible pixels hold, often black or junk), and the rest (L, 1, P, CMYK,
+    YCbCr, ...) by PIL's convert."""
+    if image.mode in SIXTEEN_BIT:
+        pixels = np.asarray(image).astype(np.float32) / 257  # 65535 -> 255: 257 = 65535 / 255
+        image = Image.fromarray(pixels.round().clip(0, 255).astype(np.uint8))
+    if "A" in image.mode or "a" in image.mode or "transparency" in image.info:
+        rgba = image.convert("RGBA")  # LA, PA, RGBa, and P, L or RGB with a transparent palette entry or colour
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (*BACKGROUND, 255)), rgba).convert("RGB")
+    return image.convert("RGB")
 
 
 def unreadable_reason(error):

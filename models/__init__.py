@@ -1,5 +1,5 @@
 """Networks: build_model() turns the recipe's model section into an nn.Module, start_from() and load_weights() start it
-from a local state_dict, check_input_size() tries it once."""
+from a local state_dict or weights by name (models/pretrained.py), check_input_size() tries it once."""
 
 import difflib
 import importlib.util
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 import torchvision
-from torch import nn
 
 from models.convnet import ConvNet
+from models.pretrained import head_keys, named_state, weights_kind
 from models.resnet_cifar import resnet18_cifar
 from utils.checkpoint import load_checkpoint, state_dict_mismatch
 from utils.distributed import on_rank0
@@ -69,11 +69,11 @@ def build_model(cfg, num_classes, img_size=224):
 
 
 def read_weights(path):
-    """The state_dict file model.weights names (weights_only), or a clear error: nothing is downloaded."""
+    """The state_dict file model.weights names (weights_only), or a clear error."""
     if not Path(path).is_file():
-        raise UsageError(f"model.weights={path!r}: no such file; give a local state_dict file (nothing is downloaded "
-                         f"here: save torchvision's with torch.save(get_weight('NAME').get_state_dict(), PATH) on a "
-                         f"machine with internet)")
+        raise UsageError(f"model.weights={path!r}: no such file; give a local state_dict file, or weights by name: "
+                         f"DEFAULT or a torchvision weights name of model.name (IMAGENET1K_V1, ...; for timm/NAME, a "
+                         f"timm tag)")
     state = load_checkpoint(path)
     if not isinstance(state, dict):
         raise UsageError(f"model.weights={path!r}: not a state_dict")
@@ -103,22 +103,17 @@ def load_weights(model, state, num_classes, source):
     return [k for k in head if k not in kept]
 
 
-def head_keys(model, num_classes):
-    """The state_dict keys of the classifier head: the last Linear or Conv2d layer with num_classes outputs."""
-    layers = [(name, m) for name, m in model.named_modules()
-              if isinstance(m, nn.Linear) and m.out_features == num_classes
-              or isinstance(m, nn.Conv2d) and m.out_channels == num_classes]
-    if not layers:
-        return []
-    name, layer = layers[-1]
-    return [f"{name}.{k}" for k, _ in layer.named_parameters()]
-
-
-def start_from(model, path, num_classes):
-    """model.weights: rank 0 reads the file and shares it; every rank loads it, the classifier head resized."""
-    resized = load_weights(model, on_rank0(read_weights, path), num_classes, f"model.weights={path}")
+def start_from(model, cfg, num_classes):
+    """model.weights: a local file (rank 0 reads it and shares it) or weights by name (downloaded once per machine,
+    every rank reads the cache); every rank loads them, the classifier head resized. Logs what came from where."""
+    source = f"model.weights={cfg.weights}"
+    if weights_kind(cfg.name, cfg.weights) == "file":
+        state, what = on_rank0(read_weights, cfg.weights), f"weights from {cfg.weights}"
+    else:
+        state, what = named_state(cfg.name, cfg.weights, source)
+    resized = load_weights(model, state, num_classes, source)
     head = f"; {', '.join(resized)} initialised afresh for {num_classes} classes" if resized else ""
-    LOGGER.info(f"{colorstr('model:')} weights from {path}{head}")
+    LOGGER.info(f"{colorstr('model:')} loaded {what}{head}")
 
 
 def model_from_checkpoint(ckpt, cfg, source):

@@ -146,9 +146,9 @@ def test_a_signal_during_start_up_stops_the_run_after_its_first_steps_with_a_che
     root = image_folder({"train": {"a": 8, "b": 8}, "val": {"a": 2, "b": 2}}, size=8)
     prepare_run = train.prepare_run
 
-    def interrupted(*args):  # Ctrl-C while the recipe is read, before data, model and run directory exist
+    def interrupted(*args, **kwargs):  # Ctrl-C while the recipe is read, before data, model and run directory exist
         os.kill(os.getpid(), signal.SIGINT)
-        return prepare_run(*args)
+        return prepare_run(*args, **kwargs)
     monkeypatch.setattr(train, "prepare_run", interrupted)
     with pytest.raises(SystemExit) as stopped:
         train.main(["--recipe", "cls.yaml", f"data.name={root}", "train.batch_size=4", "model.width=4",

@@ -65,7 +65,7 @@ def test_missing_dataset_says_nothing_is_downloaded(tmp_path):
 
 def test_missing_val_folder_is_named(image_folder):
     root = image_folder({"train": {"ant": 2}})
-    with pytest.raises(DatasetError, match="no val/ or test/ folder"):
+    with pytest.raises(DatasetError, match="no val/, valid/ or test/ folder"):
         split_dir(root, "val")
 
 

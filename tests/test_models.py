@@ -93,7 +93,8 @@ def test_weights_that_do_not_fit_or_do_not_exist_are_named(tmp_path):
     resnet = build_model(OmegaConf.structured(ModelConfig(name="resnet18")), 3)
     with pytest.raises(UsageError, match="r: 'features.0.0.weight' is not a weight of this model"):
         load_weights(resnet, read_weights(tmp_path / "convnet.pt"), 3, "r")
-    with pytest.raises(UsageError, match=r"model.weights='.*nope.pth': no such file; .*nothing is downloaded"):
+    with pytest.raises(UsageError, match=r"model.weights='.*nope.pth': no such file; give a local state_dict file, "
+                                          r"or weights by name: DEFAULT or a torchvision weights name"):
         read_weights(str(tmp_path / "nope.pth"))
 
 

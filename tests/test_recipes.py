@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torchvision
 from omegaconf import OmegaConf
 
 import data.cifar
@@ -18,6 +19,7 @@ import val
 from cifar_standin import write_cifar_standin
 from conftest import make_image_folder
 from models import check_model_name
+from models.pretrained import cache_path, follow_weights, torchvision_weights, weights_kind
 from utils.config import RECIPES_DIR, load_recipe
 
 # Per recipe: the stand-in's images per class (train, val) and the overrides that keep it small. The batch makes
@@ -67,6 +69,13 @@ def standin_overrides(name, tmp_path, monkeypatch, request, runs):
         overrides = [f"data.name={root}", *overrides]
     if cfg.train.ema_decay:
         overrides = [*overrides, "train.ema_steps=1"]  # two steps: update the EMA at each
+    if weights_kind(cfg.model.name, cfg.model.weights) == "torchvision":  # offline: a stand-in in the cache
+        monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+        path = cache_path(torchvision_weights(cfg.model.name, cfg.model.weights))
+        path.parent.mkdir(parents=True)
+        torch.save(torchvision.models.get_model(cfg.model.name).state_dict(), path)
+    if cfg.model.freeze_epochs:
+        overrides = [*overrides, "model.freeze_epochs=0"]  # two steps in the frozen epochs would move the head alone
     return [*overrides, "train.epochs=1", "data.workers=0", f"project={runs}"]
 
 
@@ -86,7 +95,8 @@ def test_recipe_trains_two_steps_and_validates_on_a_stand_in(name, tmp_path, mon
     with open(run / "results.csv") as f:
         rows = list(csv.DictReader(f))
     checkpoint = torch.load(run / "weights" / "last.pt", weights_only=True)
-    assert checkpoint["recipe"] == OmegaConf.to_container(load_recipe(name, overrides))  # as run, overrides too
+    # as run: overrides too, and what the recipe leaves to its pretrained weights
+    assert checkpoint["recipe"] == OmegaConf.to_container(follow_weights(load_recipe(name, overrides)))
     assert len(rows) == 1 and checkpoint["epoch"] == 1
     unmoved = [k for k, weight in initial.items() if torch.equal(weight, checkpoint["model"][k])]
     assert len(initial) > 10 and not unmoved, f"the two steps left {unmoved} as initialised"

@@ -30,12 +30,14 @@ class ModelConfig:
     dropout: float = 0.0  # convnet: dropout before the classifier
     norm: str = "batch"  # convnet: batch, group (per-sample statistics, the same at any number of processes) or none
     sync_bn: bool = False  # CUDA, several processes, with data.drop_last: BatchNorm over the global batch (SyncBatchNorm)
-    weights: str = ""  # start from a local state_dict (a train.py checkpoint or torchvision's file); the head is resized
+    weights: str = ""  # start from: a local state_dict file, DEFAULT or a torchvision weights name (IMAGENET1K_V2, ...; timm/NAME: a timm tag); the head is resized
+    backbone_lr: float = 1.0  # with model.weights: the pretrained part's learning rate as a factor of optim.lr (the new head: 1)
+    freeze_epochs: int = 0  # with model.weights: train only the new head for this many epochs (pretrained BatchNorm statistics frozen too)
 
 
 @dataclass
 class DataConfig:
-    name: str = "digits"  # embedded dataset ('digits') or path to an ImageFolder root with train/ and val/ (or test/)
+    name: str = "digits"  # 'digits', cifar10/100, or a root: train/ and val/, valid/ or test/ class folders; train.csv and val.csv; or class folders (data.val_split)
     img_size: int = 224  # side of the square images the model sees, in pixels
     scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # train RandomResizedCrop area range
     hflip: float = 0.5  # train horizontal flip probability (0 for digits and text)
@@ -56,6 +58,8 @@ class DataConfig:
     workers: str = "auto"  # DataLoader workers per process, or auto (by data.cache and device; printed)
     drop_last: bool = False  # train: drop each epoch's last partial global batch (so no step sees a batch of one)
     skip_corrupt: bool = False  # check each image once first (in parallel, cached next to the data); skip unreadable ones
+    val_split: float = 0.0  # a root of class folders with no split: the share held out for val (stratified, seeded, saved with the run)
+    sampler: str = "shuffle"  # train order: shuffle (every image once an epoch) or balanced (each class equally often)
 
 
 @dataclass
@@ -73,6 +77,9 @@ class TrainConfig:
     ema_steps: int = 32  # update the EMA every this many steps; the decay is adjusted for batch, steps and epochs
     patience: int = 0  # early stopping: stop after this many epochs without a better val top-1; 0: off
     log_every_steps: int = 10  # TensorBoard train/loss_step: the mean loss of every this many steps, over all ranks; 0: off
+    class_weights: str = ""  # '' or balanced: weight the loss of each class inversely to its number of training images
+    best_metric: str = "top1"  # what best.pt and train.patience follow: top1 or balanced_top1 (mean per-class recall)
+    tta: bool = False  # validate with test-time augmentation: the mean softmax of each image and its horizontal flip
 
 
 @dataclass
@@ -286,6 +293,8 @@ def check_model_values(cfg, require):
     require(cfg.model.width >= 1 and cfg.model.depth >= 1, "model.width", "positive (and so must model.depth)")
     require(0 <= cfg.model.dropout < 1, "model.dropout", "in [0, 1)")
     require(cfg.model.norm in ("batch", "group", "none"), "model.norm", "batch, group or none")
+    require(cfg.model.backbone_lr >= 0, "model.backbone_lr", ">= 0 (0 trains only the new head)")
+    require(cfg.model.freeze_epochs >= 0, "model.freeze_epochs", ">= 0 (0: no freezing)")
     require(not cfg.model.sync_bn or cfg.data.drop_last or WORLD_SIZE == 1, "model.sync_bn",
             "used with data.drop_last=true on several processes (SyncBatchNorm's collectives need every rank to "
             "take every step)")
@@ -315,6 +324,8 @@ def check_data_values(cfg, require):
     require(len(cfg.data.mean) == 3, "data.mean", "three values (R, G, B)")
     require(len(cfg.data.std) == 3 and all(s > 0 for s in cfg.data.std), "data.std", "three positive values")
     require(cfg.data.cache in ("none", "ram"), "data.cache", "none (decode per image) or ram")
+    require(0 <= cfg.data.val_split < 1, "data.val_split", "in [0, 1) (0: the data holds its own val split)")
+    require(cfg.data.sampler in ("shuffle", "balanced"), "data.sampler", "shuffle or balanced")
     for key in ("auto_augment", "random_erase"):
         require(cfg.data.cache != "ram" or not cfg.data[key], f"data.{key}",
                 "off with data.cache=ram, which crops and flips whole batches (it runs per image: set data.cache=none)")
@@ -338,6 +349,8 @@ def check_train_values(cfg, require):
     require(cfg.train.patience >= 0, "train.patience", ">= 0 (0 trains every epoch)")
     require(cfg.train.log_every_steps >= 0, "train.log_every_steps", ">= 0 (0 logs the loss per epoch only)")
     require(cfg.train.precision in ("fp32", "bf16", "fp16", "auto"), "train.precision", "one of fp32, bf16, fp16, auto")
+    require(cfg.train.class_weights in ("", "balanced"), "train.class_weights", "'' (off) or balanced")
+    require(cfg.train.best_metric in ("top1", "balanced_top1"), "train.best_metric", "top1 or balanced_top1")
 
 
 def check_other_values(cfg, require):

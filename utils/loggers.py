@@ -14,9 +14,10 @@ from utils.config import flat_keys
 from utils.plots import confusion_figure, figure_array, labelled_grid, results_figure, save_figure
 
 # results.csv's columns, also the TensorBoard tags of the epoch scalars, grouped as train/, val/, lr/ and time/.
-COLUMNS = ["epoch", "train/loss", "val/loss", "val/top1", "val/top5", "val/ema_loss", "val/ema_top1", "val/ema_top5",
-           "lr/pg0", "time/epoch", "time/img_s"]  # val/ema_*: blank without EMA
-HPARAM_METRICS = ["val/top1", "val/top5", "val/loss", "train/loss"]  # shown beside the recipe in the HParams tab
+COLUMNS = ["epoch", "train/loss", "val/loss", "val/top1", "val/balanced_top1", "val/top5", "val/ema_loss",
+           "val/ema_top1", "val/ema_balanced_top1", "val/ema_top5", "lr/pg0", "time/epoch",
+           "time/img_s"]  # val/ema_*: blank without EMA; balanced_top1: the mean recall of the classes in val
+HPARAM_METRICS = ["val/top1", "val/balanced_top1", "val/top5", "val/loss", "train/loss"]  # beside the recipe in HParams
 PLOT_SHARE = 0.02  # matplotlib plots may take this share of the run's time (each costs about 0.3-1 s on a CPU)
 WRONG_SHOWN = 32  # misclassified val images shown per epoch
 
@@ -149,5 +150,6 @@ def epoch_summary(metrics, epochs):
     if metrics["val/ema_top1"] is not None:
         top5 += f"  ema top1 {metrics['val/ema_top1']:.2%}"
     return (f"epoch {metrics['epoch']}/{epochs}  train/loss {metrics['train/loss']:.4f}  "
-            f"val/loss {metrics['val/loss']:.4f}  top1 {metrics['val/top1']:.2%}{top5}  lr {metrics['lr/pg0']:.3g}  "
+            f"val/loss {metrics['val/loss']:.4f}  top1 {metrics['val/top1']:.2%} "
+            f"balanced {metrics['val/balanced_top1']:.2%}{top5}  lr {metrics['lr/pg0']:.3g}  "
             f"{metrics['time/epoch']:.1f}s  {metrics['time/img_s']:.0f} img/s")

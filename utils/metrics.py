@@ -8,19 +8,24 @@ import torch.nn.functional as F
 from utils.distributed import all_reduce_sum
 from utils.general import WORLD_SIZE
 from utils.precision import autocast
+from utils.tta import tta_logits
 
 # Above this many classes the C x C confusion matrix is not kept (at 20k classes it would take gigabytes on the
 # device); the per-class counts, which give precision, recall and top-5 per class, always are.
 MAX_CONFUSION_CLASSES = 2048
+BEST_METRIC_NAMES = {"top1": "val top-1", "balanced_top1": "val balanced top-1"}  # train.best_metric, in messages
 
 
 @torch.no_grad()
-def evaluate(model, loader, normalize, num_classes, device, dtype=None, keep_wrong=0):
+def evaluate(model, loader, normalize, num_classes, device, dtype=None, keep_wrong=0, tta=False):
     """Validation metrics, summed over ranks: mean cross-entropy (no label smoothing), top-1 and top-5 accuracy
-    (top-5 only with 5+ classes) and the sample count; 'class_counts', an int64 (4, C) tensor of each class's images,
-    predictions, correct predictions and top-5 hits; 'confusion', the (C, C) confusion matrix (rows true class,
-    columns predicted; None above MAX_CONFUSION_CLASSES); and in 'wrong' up to keep_wrong of this rank's
-    misclassified images as (uint8 image, true class, predicted class). Tensors are returned on the CPU."""
+    (top-5 only with 5+ classes), balanced top-1 (the mean recall of the classes with val images) and the sample
+    count; 'class_counts', an int64 (4, C) tensor of each class's images, predictions, correct predictions and
+    top-5 hits; 'confusion', the (C, C) confusion matrix (rows true class, columns predicted; None above
+    MAX_CONFUSION_CLASSES); and in 'wrong' up to keep_wrong of this rank's
+    misclassified images as (uint8 image, true class, predicted class). Tensors are returned on the CPU. With tta,
+    each image is scored by the mean softmax of it and its horizontal flip (utils/tta.py): the loss is the NLL of
+    that mean, top-1 and top-5 its largest probabilities."""
     was_training = model.training
     model.eval()
     c, k = num_classes, min(5, num_classes)
@@ -31,7 +36,7 @@ def evaluate(model, loader, normalize, num_classes, device, dtype=None, keep_wro
     for images, targets in loader:
         images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         with autocast(device, dtype):
-            logits = model(normalize(images))
+            logits = tta_logits(model, normalize(images)) if tta else model(normalize(images))
         top = logits.topk(k, dim=1).indices
         predicted, in_top5 = top[:, 0], (top == targets[:, None]).any(dim=1)
         loss += F.cross_entropy(logits.float(), targets, reduction="sum").double()
@@ -48,18 +53,22 @@ def evaluate(model, loader, normalize, num_classes, device, dtype=None, keep_wro
     n = int(counts[0].sum())
     if n == 0:
         raise RuntimeError("the validation set is empty")
+    present = counts[0] > 0  # a class without val images has no recall; it does not count
     return {"val/loss": totals[0].item() / n, "val/top1": counts[2].sum().item() / n,
+            "val/balanced_top1": (counts[2][present] / counts[0][present]).mean().item(),
             "val/top5": counts[3].sum().item() / n if num_classes >= 5 else None, "val/samples": n,
             "class_counts": counts, "confusion": totals[1 + 4 * c :].long().view(c, c) if len(confusion) else None,
             "wrong": wrong}
 
 
-def evaluate_ema(ema, loader, normalize, num_classes, device, dtype):
-    """The EMA's val/ema_loss, val/ema_top1 and val/ema_top5 (None without EMA)."""
+def evaluate_ema(ema, loader, normalize, num_classes, device, dtype, tta=False):
+    """The EMA's val/ema_loss, val/ema_top1, val/ema_top5 and val/ema_balanced_top1 (None without EMA), with TTA as
+    the weights'."""
+    names = ("loss", "top1", "top5", "balanced_top1")
     if ema is None:
-        return dict.fromkeys(("val/ema_loss", "val/ema_top1", "val/ema_top5"))
-    metrics = evaluate(ema.module, loader, normalize, num_classes, device, dtype)
-    return {f"val/ema_{name}": metrics[f"val/{name}"] for name in ("loss", "top1", "top5")}
+        return dict.fromkeys(f"val/ema_{name}" for name in names)
+    metrics = evaluate(ema.module, loader, normalize, num_classes, device, dtype, tta=tta)
+    return {f"val/ema_{name}": metrics[f"val/{name}"] for name in names}
 
 
 def hits_per_class(targets, hit, num_classes):

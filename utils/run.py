@@ -12,12 +12,15 @@ from utils.config import Recipe, check_resumable, load_recipe, load_resumed_reci
 from utils.distributed import on_rank0
 from utils.general import (LOCAL_WORLD_SIZE, LOGGER, RESTART_COUNT, RUN_ID, WORLD_SIZE, SharedError, UsageError,
                            colorstr, increment_path, short_path)
+from utils.metrics import BEST_METRIC_NAMES
 
 
-def prepare_run(args, model_check=None):
+def prepare_run(args, model_check=None, settle=None):
     """(recipe, run directory or None for a new one, (checkpoint path, checkpoint) or None) for this launch: a new
     run, an explicit --resume, or this torchrun job's own run after torchrun restarted the workers. model_check
-    (models.check_model_name) checks model.name with the rest of the recipe."""
+    (models.check_model_name) checks model.name with the rest of the recipe; settle (models.pretrained.follow_weights:
+    recipe -> recipe, the same for a settled one) fills in what the recipe leaves to its pretrained weights, before
+    a restarted run's recipe is compared with the one it saved."""
     if args.resume is not None:
         if args.recipe:
             raise SharedError("--resume takes the recipe from the checkpoint: leave out --recipe (key=value "
@@ -25,8 +28,9 @@ def prepare_run(args, model_check=None):
         project = parse_overrides(args.overrides).get("project", Recipe.project)
         run_dir, path, ckpt = on_rank0(read_resume, args.resume, project)
         cfg = load_resumed_recipe(ckpt["recipe"], args.overrides, source=path, model_check=model_check)
-        return cfg, Path(run_dir), (path, ckpt)
+        return settle(cfg) if settle else cfg, Path(run_dir), (path, ckpt)
     cfg = load_recipe(args.recipe or "cls.yaml", args.overrides, model_check=model_check)
+    cfg = settle(cfg) if settle else cfg
     if RESTART_COUNT:  # torchrun restarted the workers after a failure: continue this job's run where it stopped
         run_dir, path, ckpt = on_rank0(read_restarted_run, cfg.project, cfg.name)
         if ckpt is not None:
@@ -125,8 +129,9 @@ def next_steps(run_dir, state, seconds, val_folder):
     """The end of a run: where its results are, its best score, and the commands that use them."""
     best = shlex.quote(str(run_dir / "weights" / "best.pt"))  # pasted into a shell as printed
     return (f"\n{state.epoch} epochs in {seconds:.1f}s. Results saved to {colorstr('bold', str(run_dir))} "
-            f"(results.csv, results.png, TensorBoard events, weights/)\nBest val top-1 {state.best_top1:.2%} at epoch "
-            f"{state.best_epoch}: {best}\nNext:\n  tensorboard --logdir {shlex.quote(str(run_dir.parent))}\n"
+            f"(results.csv, results.png, TensorBoard events, weights/)\nBest {BEST_METRIC_NAMES[state.best_metric]} "
+            f"{state.best_top1:.2%} at epoch {state.best_epoch}: {best}\nNext:\n"
+            f"  tensorboard --logdir {shlex.quote(str(run_dir.parent))}\n"
             f"  python val.py --weights {best}\n"
             f"  python predict.py --weights {best} --source {shlex.quote(str(short_path(val_folder)))}\n"
             f"  python export.py --weights {best} --format onnx")

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from utils.general import LOGGER, SharedError
+from utils.metrics import BEST_METRIC_NAMES
 from utils.torch_utils import de_parallel
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -116,10 +117,10 @@ def wants_save(every, global_step, step, steps):
 
 
 def out_of_patience(patience, state, epochs):
-    """Early stopping: whether `patience` epochs have passed without a better val top-1 (every rank agrees: the
-    metrics are the same everywhere)."""
+    """Early stopping: whether `patience` epochs have passed without a better val score of train.best_metric (every
+    rank agrees: the metrics are the same everywhere)."""
     if not patience or state.epoch >= epochs or state.epoch - state.best_epoch < patience:
         return False
-    LOGGER.info(f"Stopping early after epoch {state.epoch}: no better val top-1 in {patience} epochs (train.patience)"
-                f"; the best, {state.best_top1:.2%}, was at epoch {state.best_epoch}")
+    LOGGER.info(f"Stopping early after epoch {state.epoch}: no better {BEST_METRIC_NAMES[state.best_metric]} in "
+                f"{patience} epochs (train.patience); the best, {state.best_top1:.2%}, was at epoch {state.best_epoch}")
     return True

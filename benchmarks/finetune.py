@@ -1,0 +1,123 @@
+"""Fine-tuning from pretrained weights by name against training from scratch, offline, on digits.
+
+    python benchmarks/finetune.py [--seeds 0 1 2] [--per-class 8]
+
+No ImageNet weights can be downloaded on machines without internet, so the mechanism is shown with weights trained
+here: ResNet-18 is trained on the digits 0-4 (datasets/digits, 32 px), its state_dict (with a 1,000-class head, as
+torchvision's file has) is placed in a temporary TORCH_HOME under the exact name of torchvision's
+ResNet18_Weights.IMAGENET1K_V1 file, and recipes/folder.yaml then trains on a few images per class of the digits
+5-9, once with model.weights=IMAGENET1K_V1 (its default, DEFAULT, is that file) and once from scratch, as the recipe
+says to, per seed. Every run validates on all val images of the digits 5-9. Prints the commands and a table.
+"""
+
+import argparse
+import csv
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torchvision
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from data.datasets import dataset_root  # noqa: E402
+from models.pretrained import cache_path, torchvision_weights  # noqa: E402
+
+# The digits are 8x8: upscaled to 32 px, which ResNet-18's 32x downsampling leaves a 1x1 map of; no flips (a
+# mirrored digit is another shape); whole images, as recipes/cls.yaml (crops cost digits accuracy); the RAM cache;
+# no last step of a single image, whose BatchNorm statistics would be undefined.
+DIGITS = ["data.img_size=32", "data.val_img_size=32", "data.crop_pct=1.0", "data.hflip=0", "data.scale=[1.0,1.0]",
+          "data.auto_augment=''", "data.cache=ram", "train.channels_last=false", "data.drop_last=true"]
+PRETRAIN = ["model.weights=''", "train.epochs=5", "train.batch_size=48", "train.patience=0", "optim.lr=0.002"]
+FINETUNE = ["train.batch_size=8"]  # a few dozen images: 5 steps an epoch; the recipe's epochs and schedule
+SCRATCH = ["model.weights=''", "optim.lr=0.002", "train.epochs=40", "train.patience=10",
+           "sched.warmup_epochs=2"]  # recipes/folder.yaml's from-scratch settings
+
+
+def subset(source, target, classes, per_class=None):
+    """An ImageFolder at target of source's train/ and val/ images of classes (the first per_class of each in
+    train/ where given), as symbolic links."""
+    for split in ("train", "val"):
+        for name in classes:
+            files = sorted((source / split / name).glob("*.png"))
+            files = files[:per_class] if split == "train" and per_class else files
+            (target / split / name).mkdir(parents=True)
+            for file in files:
+                (target / split / name / file.name).symlink_to(file.resolve())
+    return target
+
+
+def run(args, project, name, env):
+    """Run train.py (one process) with the folder.yaml recipe and args; return (best, last) val top-1 in % and the
+    command."""
+    command = [sys.executable, "train.py", "--recipe", "folder.yaml", *args, f"project={project}", f"name={name}"]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if result.returncode:
+        sys.exit(f"{shlex.join(command)} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+    with open(project / name / "results.csv") as f:
+        top1 = [float(row["val/top1"]) * 100 for row in csv.DictReader(f)]
+    return max(top1), top1[-1], result.stdout
+
+
+def place_as_torchvision_weights(checkpoint, path):
+    """Save a checkpoint's ResNet-18 as torchvision's resnet18 file would hold it: a plain state_dict with a
+    1,000-class head (random, as the classes differ), at path."""
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
+    model = torchvision.models.resnet18(num_classes=1000)
+    state = {**state, "fc.weight": model.fc.weight.detach(), "fc.bias": model.fc.bias.detach()}
+    model.load_state_dict(state)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), path)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--per-class", type=int, default=8, help="training images per class of the digits 5-9")
+    args = parser.parse_args()
+    start, digits = time.time(), dataset_root("digits")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        env = {**os.environ, "TORCH_HOME": str(tmp / "torch")}
+        pretrain_data = subset(digits, tmp / "digits0-4", "01234")
+        few = subset(digits, tmp / f"digits5-9-{args.per_class}", "56789", args.per_class)
+        best, _, _ = run([f"data.name={pretrain_data}", *DIGITS, *PRETRAIN], tmp / "runs", "pretrain", env)
+        weights = torchvision_weights("resnet18", "IMAGENET1K_V1")
+        os.environ["TORCH_HOME"] = env["TORCH_HOME"]  # cache_path() reads it, as torch.hub does
+        place_as_torchvision_weights(tmp / "runs" / "pretrain" / "weights" / "best.pt", cache_path(weights))
+        print(f"pretrained on the digits 0-4: val top-1 {best:.2f}%; placed as {weights} at "
+              f"{cache_path(weights).relative_to(tmp)} under a temporary TORCH_HOME\n", flush=True)
+        rows = []
+        for seed in args.seeds:
+            common = [f"data.name={few}", *DIGITS, *FINETUNE, f"seed={seed}"]
+            tuned = run([*common, "model.weights=IMAGENET1K_V1"], tmp / "runs", f"finetune{seed}", env)
+            scratch = run([*common, *SCRATCH], tmp / "runs", f"scratch{seed}", env)
+            rows.append((seed, scratch[:2], tuned[:2]))
+            print(f"seed {seed}: from scratch {scratch[0]:.2f}% (last epoch {scratch[1]:.2f}%), fine-tuned "
+                  f"{tuned[0]:.2f}% (last epoch {tuned[1]:.2f}%)", flush=True)
+        print_summary(rows, few, args.per_class, tuned[2], time.time() - start)
+
+
+def print_summary(rows, few, per_class, tuned_log, seconds):
+    """The commands, the fine-tuned run's log lines about its weights, and the table over seeds."""
+    print(f"\n{5 * per_class} training images ({per_class} per class of the digits 5-9), "
+          f"{sum(1 for _ in (few / 'val').rglob('*.png'))} val images; best val top-1 of each run (last epoch's):\n")
+    print("| seed | from scratch | fine-tuned from IMAGENET1K_V1 |\n| --- | --- | --- |")
+    for seed, scratch, tuned in rows:
+        print(f"| {seed} | {scratch[0]:.2f}% ({scratch[1]:.2f}%) | {tuned[0]:.2f}% ({tuned[1]:.2f}%) |")
+    mean = [sum(r[i][0] for r in rows) / len(rows) for i in (1, 2)]
+    print(f"| mean | {mean[0]:.2f}% | {mean[1]:.2f}% |\n")
+    print("fine-tuned run's log:\n" + "\n".join(line for line in tuned_log.splitlines()
+                                                if line.startswith(("model.weights", "model:", "fine-tuning:"))))
+    print(f"\nrecipe overrides: digits {shlex.join(DIGITS)}; fine-tuning {shlex.join(FINETUNE)}; "
+          f"from scratch {shlex.join(SCRATCH)}; pretraining {shlex.join(PRETRAIN)}; {seconds:.0f}s in all")
+
+
+if __name__ == "__main__":
+    main()
