@@ -11,7 +11,7 @@ from torchvision.datasets import ImageFolder
 
 import train
 import val
-from conftest import make_image_folder, read_results, run_python, run_torchrun
+from conftest import Lookup, make_image_folder, read_results, run_python, run_torchrun
 from data.cache import RamImages, batch_to
 from data.datasets import balanced_class_weights, build_dataloader, set_epoch
 from data.sampler import BalancedSampler
@@ -95,17 +95,6 @@ def test_balanced_class_weights_are_n_over_classes_times_count():
     dataset = TensorDataset(torch.zeros(100))
     dataset.targets, dataset.classes = [0] * 90 + [2] * 10, ["a", "b", "c"]
     assert balanced_class_weights(dataset).tolist() == [torch.tensor(100 / (2 * 90)).item(), 0.0, 5.0]
-
-
-class Lookup(torch.nn.Module):
-    """A 'model' whose logits for an image are a row of a table, picked by the image's first pixel."""
-
-    def __init__(self, logits):
-        super().__init__()
-        self.register_buffer("logits", logits)
-
-    def forward(self, images):
-        return self.logits[images[:, 0, 0, 0].long()]
 
 
 def test_balanced_top1_is_the_mean_recall_of_the_classes_in_val():
