@@ -26,7 +26,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 from data.cache import batch_to
-from data.datasets import balanced_class_weights, build_dataloader, check_shareable, set_epoch, training_datasets
+from data.datasets import (balanced_class_weights, build_dataloader, check_shareable, input_feed, set_epoch,
+                           training_datasets)
 from data.layouts import save_split
 from data.mix import batch_mixer
 from data.transforms import crop_spec, normalizer, val_size
@@ -129,10 +130,10 @@ def train(cfg, vote, dtype, run_dir=None, resume=None):
     score of train.best_metric (top-1 by default), or None when the ranks stopped on a signal. vote (a StopVote,
     entered) holds the training device."""
     device = vote.device
-    threads, workers, workers_why = set_threads(cfg.data.workers, cfg.data.cache == "ram", device.type)
+    threads, workers, workers_why = set_threads(cfg.data.workers, input_feed(cfg.data, device), device.type)
     init_seeds(cfg.seed + RANK, cfg.train.deterministic)  # own dropout stream per rank; DDP copies rank 0's init
     # A resumed run reuses its saved data.val_split split (files added since change nothing); else it is made anew.
-    train_set, val_set = training_datasets(cfg.data, cfg.seed, run_dir if resume else None)
+    train_set, val_set = training_datasets(cfg.data, cfg.seed, run_dir if resume else None, device)
     classes = train_set.classes
     mix = batch_mixer(cfg.data, len(classes), cfg.seed)  # None unless MixUp or CutMix is on
     check_shareable(train_set, WORLD_SIZE, cfg.train.batch_size, cfg.data.drop_last, pairs=mix is not None)
@@ -238,7 +239,7 @@ def train_one_epoch(loop, state, epoch, show_batch=False):
     layout, crop = memory_format(cfg.train.channels_last), crop_spec(cfg.data)
     with join_uneven_inputs(state.model, fewest < most):
         for step, batch in enumerate(bar, state.step):
-            images, targets = batch_to(batch, device, crop)  # the RAM cache's batches are cropped on the device
+            images, targets = batch_to(batch, device, crop)  # the caches' batches are cropped on the device
             if show_batch and loop.logger:
                 loop.logger.log_batch(images[:32], targets[:32])
                 show_batch = False

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from data.cache import batch_to  # noqa: E402
-from data.datasets import build_dataloader, set_epoch, training_datasets  # noqa: E402
+from data.datasets import build_dataloader, input_feed, set_epoch, training_datasets  # noqa: E402
 from data.transforms import crop_spec, normalizer  # noqa: E402
 from data.verify import decode  # noqa: E402
 from models import build_model  # noqa: E402
@@ -52,7 +52,7 @@ def write_jpegs(root, count, seed=0):
 def epoch_times(cfg, rounds):
     """Per epoch (wait seconds, epoch seconds) of train.py's loader feeding SGD steps of the recipe's model."""
     device = torch.device("cpu")
-    threads, workers, _ = set_threads(cfg.data.workers, cfg.data.cache == "ram", device.type)
+    threads, workers, _ = set_threads(cfg.data.workers, input_feed(cfg.data, device), device.type)
     train_set, _ = training_datasets(cfg.data, cfg.seed)
     loader = build_dataloader(train_set, cfg.train.batch_size, True, cfg.seed, workers, device)
     model = build_model(cfg.model, len(train_set.classes), cfg.data.img_size)

@@ -32,7 +32,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.cache import batch_to  # noqa: E402
-from data.datasets import build_dataloader, set_epoch, training_datasets  # noqa: E402
+from data.datasets import build_dataloader, input_feed, set_epoch, training_datasets  # noqa: E402
 from data.transforms import crop_spec, normalizer  # noqa: E402
 from models import build_model  # noqa: E402
 from train import Loop, TrainState, train_one_epoch  # noqa: E402
@@ -194,7 +194,7 @@ def main():
     cfg = load_recipe(args.recipe, args.overrides)
     load = os.getloadavg()[0]
     dtype = autocast_dtype(cfg.train.precision, DEVICE)
-    threads, workers, why = set_threads(cfg.data.workers, cfg.data.cache == "ram", DEVICE.type)  # as train.py
+    threads, workers, why = set_threads(cfg.data.workers, input_feed(cfg.data, DEVICE), DEVICE.type)  # as train.py
     threads, why = (args.threads, f"{why}; threads set by --threads") if args.threads else (threads, why)
     print(f"recipe {args.recipe} {' '.join(args.overrides)}: {cfg.model.name}, {cfg.data.img_size}px, batch "
           f"{cfg.train.batch_size}, {cfg.train.precision}, channels_last={cfg.train.channels_last}, "

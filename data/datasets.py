@@ -17,6 +17,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 import utils.general
 from data.cache import RamImages, cached_datasets, keep_batch
 from data.cifar import CIFAR, cifar_dataset
+from data.jpeg_cache import JpegImages, decodes_on_device, jpeg_datasets
 from data.layouts import (CLASS_FOLDERS, CSV_FILES, SPLIT_FILE, VAL_NAMES, HoldOut, csv_dataset, csv_datasets, either,
                           find_layout, first_present, listed_split, read_split, split_files)
 from data.sampler import BalancedSampler, DistributedShuffleSampler, SeededSamples, seed_hash
@@ -232,15 +233,26 @@ def train_val_datasets(name, train_transform, val_transform, skip_corrupt=False,
     return build_datasets(dataset_root(name), train_transform, val_transform, skip_corrupt, hold_out)
 
 
-def training_datasets(cfg, seed, saved_in=None):
+def training_datasets(cfg, seed, saved_in=None, device=torch.device("cpu")):
     """The train and val sets of a recipe's data section: transformed per image as loaded, or with data.cache=ram
-    decoded once into memory (RamImages), training's crop and flip then drawn per batch. saved_in: a resumed run's
-    directory, whose saved data.val_split split is reused (see data/layouts.py)."""
+    decoded once into memory (RamImages), or with data.cache=jpeg read from one file per split (JpegImages),
+    training's crop and flip then drawn per batch on device. saved_in: a resumed run's directory, whose saved
+    data.val_split split is reused (see data/layouts.py)."""
     hold_out = HoldOut(cfg.val_split, seed, saved_in)
-    if cfg.cache != "ram":
+    if cfg.cache == "none":
         return train_val_datasets(cfg.name, train_transforms(cfg), val_transforms(cfg), cfg.skip_corrupt, hold_out)
     train_source, val_source = train_val_datasets(cfg.name, None, None, cfg.skip_corrupt, hold_out)
+    if cfg.cache == "jpeg":
+        return jpeg_datasets(train_source, val_source, cfg, seed, val_transforms(cfg), device)
     return cached_datasets(train_source, val_source, cfg, seed, val_transforms(cfg))
+
+
+def input_feed(cfg, device):
+    """What the DataLoader workers of data.cache do, for set_threads: decode "files" (or the JPEG cache's JPEGs),
+    gather batches from "memory" (the RAM cache), or read "bytes" (the JPEG cache's, decoded on device)."""
+    if cfg.cache == "ram":
+        return "memory"
+    return "bytes" if cfg.cache == "jpeg" and decodes_on_device(cfg, device) else "files"
 
 
 def named_eval_dataset(name, split, transform, classes, weights):
@@ -286,7 +298,7 @@ def build_dataloader(dataset, batch_size, train, seed, workers, device, drop_las
     # Worker w seeds torch, random and numpy with base + w, base drawn from this generator, which set_epoch
     # reseeds from (seed, epoch, rank); the transforms of training samples draw from SeededSamples' seeds instead.
     generator = torch.Generator().manual_seed(seed_hash(seed, 0, RANK))
-    cached = isinstance(dataset, RamImages)
+    cached = isinstance(dataset, (RamImages, JpegImages))
     return DataLoader(SeededSamples(dataset, seed) if train and not cached else dataset,
                       batch_size=batch_size // WORLD_SIZE, sampler=sampler, num_workers=workers,
                       collate_fn=keep_batch if cached else None, pin_memory=device.type == "cuda",

@@ -13,9 +13,17 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-# The suite tests the CPU (gloo) path, as CI runs it, also on a machine with GPUs: two processes on one GPU are not
-# a launch nccl supports, and device=auto would pick CUDA. Set before torch first looks for a GPU.
-os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def pytest_configure(config):
+    """Register the cuda mark (tests that need a GPU: python -m pytest -m cuda). Without -m cuda, the suite tests the
+    CPU (gloo) path, as CI runs it, also on a machine with GPUs: two processes on one GPU are not a launch nccl
+    supports, and device=auto would pick CUDA. Set before torch first looks for a GPU."""
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU; run with python -m pytest -m cuda")
+    # torchvision 0.29 marks its decoders deprecated (see data/cache.py); pytest would list the warning per test.
+    config.addinivalue_line("filterwarnings", "ignore:The image decoding and encoding capabilities:DeprecationWarning")
+    if "cuda" not in (config.option.markexpr or ""):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def make_image_folder(root, counts, size=12, seed=0):

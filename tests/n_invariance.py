@@ -1,6 +1,6 @@
 """Run by test_n_invariance.py, as one process (argv[3] 'one-core': pinned to one core, so one compute thread) or
-under torchrun: train RECIPE for one epoch on the RAM-cache path and on the per-image path, each into
-project/<path> (argv[1], data argv[2])."""
+under torchrun: train RECIPE for one epoch on each data path (the RAM cache, the JPEG cache and per image), each
+into project/<path> (argv[1], data argv[2])."""
 
 import os
 import sys
@@ -27,7 +27,7 @@ def main(project, data, one_core=False):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     setup_distributed()
     try:
-        for cache in ("ram", "none"):
+        for cache in ("ram", "jpeg", "none"):
             cfg = load_recipe("cls.yaml", [*RECIPE, f"data.name={data}", f"data.cache={cache}", f"project={project}",
                                            f"name={cache}"])
             with StopVote() as vote:

@@ -85,7 +85,7 @@ def test_unreadable_image_is_named_with_its_reason_and_the_way_past_it(image_fol
                                 f"to check every image before training and skip unreadable ones")
 
 
-@pytest.mark.parametrize("workers, cache", [(0, "none"), (1, "none"), (0, "ram")])
+@pytest.mark.parametrize("workers, cache", [(0, "none"), (1, "none"), (0, "ram"), (0, "jpeg")])
 def test_train_py_stops_on_an_unreadable_image_with_one_line(image_folder, tmp_path, workers, cache, capsys, log):
     if workers and cpu_count() < 2:
         pytest.skip("data.workers is lowered to 0 on one core")
@@ -95,8 +95,9 @@ def test_train_py_stops_on_an_unreadable_image_with_one_line(image_folder, tmp_p
         train.main(train_cmd(root, tmp_path, f"data.workers={workers}", f"data.cache={cache}")[1:])
     stderr = capsys.readouterr().err
     assert exit_info.value.code == 2, stderr
-    if cache == "ram":  # decoded into memory before the run starts: no run directory
+    if cache != "none":  # decoded into a cache before the run starts: no run directory, and no cache file
         assert not (tmp_path / "runs").exists()
+        assert not [path for path in root.iterdir() if "jpegcache" in path.name]
     else:
         assert f"{workers} worker(s)" in log.text  # one worker really loaded the images
     errors = [line for line in stderr.splitlines() if "error" in line]

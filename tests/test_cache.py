@@ -108,7 +108,7 @@ def test_cached_loader_yields_the_shares_and_crops_of_the_epoch(tmp_path):
 def test_cache_refuses_per_image_augmentation():
     with pytest.raises(RecipeError, match="data.auto_augment must be off with data.cache=ram"):
         load_recipe("cls.yaml", ["data.cache=ram", "data.auto_augment=randaugment"])
-    with pytest.raises(RecipeError, match=r"data.cache must be none \(decode per image\) or ram, got 'disk'"):
+    with pytest.raises(RecipeError, match=r"data.cache must be none \(decode per image\), ram or jpeg, got .disk."):
         load_recipe("cls.yaml", ["data.cache=disk"])
     with pytest.raises(RecipeError, match="data.workers must be auto or a number >= 0, got 'some'"):
         load_recipe("cls.yaml", ["data.workers=some"])

@@ -105,3 +105,11 @@ def test_bucket_size_and_gradient_views_leave_the_step_bit_identical(uneven_repo
         assert rank["all_reduces"] > default["all_reduces"]  # the options took effect: more, smaller buckets
         assert rank["grad_views"] and not default["grad_views"]
         assert rank["grads_sha"] == default["grads_sha"] and rank["after_sha"] == default["after_sha"]
+
+
+def test_processes_share_one_gpu_over_gloo_only_when_a_test_asks():
+    from utils.distributed import distributed_backend
+
+    assert distributed_backend(True) == "cpu:gloo,cuda:nccl"  # SHARE_ONE_GPU_FOR_TESTS is not set here
+    assert distributed_backend(True, share_one_gpu=True) == "gloo"
+    assert distributed_backend(False) == "gloo"

@@ -10,7 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from conftest import run_python, run_torchrun
 from utils.checkpoint import load_checkpoint
 
-PATHS = ("ram", "none")  # data.cache: crops per batch on the device, or per image as loaded
+PATHS = ("ram", "jpeg", "none")  # data.cache: crops per batch on the device (two caches), or per image as loaded
 
 
 def write_images(root):

@@ -135,11 +135,12 @@ def test_threads_and_workers_never_oversubscribe_cores():
 def test_auto_workers_follow_the_data_path_and_device():
     before = torch.get_num_threads()
     try:
-        assert tu.set_threads("auto", cached=True, cores=8)[:2] == (8, 0)  # batches from memory: all compute
+        assert tu.set_threads("auto", "memory", cores=8)[:2] == (8, 0)  # batches from memory: all compute
+        assert tu.set_threads("auto", "bytes", "cuda", cores=8)[:2] == (6, 2)  # JPEG bytes, decoded on the GPU
         assert tu.set_threads("auto", device_type="cuda", cores=16, procs_per_machine=2)[:2] == (1, 7)
         assert tu.set_threads("auto", cores=8, procs_per_machine=2)[:2] == (2, 2)  # CPU, files: half and half
         assert tu.set_threads("auto", cores=2, procs_per_machine=2)[:2] == (1, 0)  # one core: it computes
-        threads, workers, why = tu.set_threads("auto", cached=True, cores=4)
+        threads, workers, why = tu.set_threads("auto", "memory", cores=4)
         assert "data.cache=ram" in why and torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(before)

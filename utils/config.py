@@ -54,7 +54,9 @@ class DataConfig:
     crop_pct: float = 0.875  # val: resize to val_img_size / crop_pct, then centre-crop val_img_size
     mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))  # per-channel normalisation mean (RGB)
     std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))  # per-channel normalisation std (RGB)
-    cache: str = "none"  # none: decode per sample; ram: decode once into memory, crop and flip per batch
+    cache: str = "none"  # none: decode per sample; ram: decode once into memory; jpeg: one shared file of JPEGs per split (crop and flip per batch with either)
+    cache_dir: str = ""  # data.cache=jpeg: where its files go; '': beside the images' folder
+    jpeg_decode: str = "auto"  # data.cache=jpeg: where training JPEGs are decoded: auto (the GPU on CUDA, else workers), cpu (workers) or device
     workers: str = "auto"  # DataLoader workers per process, or auto (by data.cache and device; printed)
     drop_last: bool = False  # train: drop each epoch's last partial global batch (so no step sees a batch of one)
     skip_corrupt: bool = False  # check each image once first (in parallel, cached next to the data); skip unreadable ones
@@ -323,12 +325,14 @@ def check_data_values(cfg, require):
     require(0 < cfg.data.crop_pct <= 1, "data.crop_pct", "in (0, 1]")
     require(len(cfg.data.mean) == 3, "data.mean", "three values (R, G, B)")
     require(len(cfg.data.std) == 3 and all(s > 0 for s in cfg.data.std), "data.std", "three positive values")
-    require(cfg.data.cache in ("none", "ram"), "data.cache", "none (decode per image) or ram")
+    require(cfg.data.cache in ("none", "ram", "jpeg"), "data.cache", "none (decode per image), ram or jpeg")
+    require(cfg.data.jpeg_decode in ("auto", "cpu", "device"), "data.jpeg_decode", "auto, cpu or device")
     require(0 <= cfg.data.val_split < 1, "data.val_split", "in [0, 1) (0: the data holds its own val split)")
     require(cfg.data.sampler in ("shuffle", "balanced"), "data.sampler", "shuffle or balanced")
     for key in ("auto_augment", "random_erase"):
-        require(cfg.data.cache != "ram" or not cfg.data[key], f"data.{key}",
-                "off with data.cache=ram, which crops and flips whole batches (it runs per image: set data.cache=none)")
+        require(cfg.data.cache == "none" or not cfg.data[key], f"data.{key}",
+                f"off with data.cache={cfg.data.cache}, which crops and flips whole batches (it runs per image: set "
+                f"data.cache=none)")
     require(cfg.data.workers == "auto" or cfg.data.workers.isdigit(), "data.workers", "auto or a number >= 0")
 
 

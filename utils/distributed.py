@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
-from utils.general import (LOCAL_RANK, LOCAL_WORLD_SIZE, RANK, RESTART_COUNT, WORLD_SIZE, SharedError, UsageError,
-                           error_line)
+from utils.general import (LOCAL_RANK, LOCAL_WORLD_SIZE, RANK, RESTART_COUNT, SHARE_ONE_GPU, WORLD_SIZE, SharedError,
+                           UsageError, error_line)
 from utils.torch_utils import TORCH_MINIMUM, check_version, de_parallel
 
 # How long a rank waits at a collective for the others. No rank works alone for long (validation and data checks are
@@ -28,9 +28,10 @@ def exit_on_error(script, error):
     sys.exit(2)
 
 
-def distributed_backend(cuda_available):
-    """gloo for CPU tensors, and nccl for GPU tensors where there is CUDA (one group holds both)."""
-    return "cpu:gloo,cuda:nccl" if cuda_available else "gloo"
+def distributed_backend(cuda_available, share_one_gpu=SHARE_ONE_GPU):
+    """gloo for CPU tensors, and nccl for GPU tensors where there is CUDA (one group holds both); gloo for both
+    where the processes share one GPU (tests only: SHARE_ONE_GPU_FOR_TESTS=1)."""
+    return "cpu:gloo,cuda:nccl" if cuda_available and not share_one_gpu else "gloo"
 
 
 def setup_distributed():

@@ -13,6 +13,9 @@ WORLD_SIZE = int(os.getenv("WORLD_SIZE", 1))  # processes in the whole job
 LOCAL_RANK = int(os.getenv("LOCAL_RANK", 0))
 LOCAL_WORLD_SIZE = int(os.getenv("LOCAL_WORLD_SIZE", 1))  # processes on this machine
 RESTART_COUNT = int(os.getenv("TORCHELASTIC_RESTART_COUNT", 0))  # > 0: torchrun restarted the workers after a failure
+# Tests only: the processes on a machine share GPU 0 over gloo (nccl refuses two ranks on one GPU), so the CUDA test
+# lane can run DDP on a machine with one GPU.
+SHARE_ONE_GPU = os.getenv("SHARE_ONE_GPU_FOR_TESTS") == "1"
 RUN_ID = os.getenv("TORCHELASTIC_RUN_ID")  # the torchrun job (--rdzv-id; with --standalone, one per launch)
 
 

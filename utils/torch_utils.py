@@ -12,7 +12,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.torch_version import TorchVersion
 
 from utils.config import DEVICES, parse_device
-from utils.general import LOCAL_RANK, LOCAL_WORLD_SIZE, LOGGER, WORLD_SIZE, UsageError, cpu_count
+from utils.general import LOCAL_RANK, LOCAL_WORLD_SIZE, LOGGER, SHARE_ONE_GPU, WORLD_SIZE, UsageError, cpu_count
 
 TORCH_BUCKET_MB = 25  # DDP's default bucket_cap_mb
 TORCH_MINIMUM = "2.4"  # requirements.txt's torch>=2.4
@@ -33,6 +33,8 @@ def select_device(device="auto", local_rank=LOCAL_RANK, key="device", local_worl
         raise UsageError(f"{key}={device!r} but CUDA is not available here; use {key}=cpu or {key}=auto")
     count = torch.cuda.device_count()
     if index is None:
+        if SHARE_ONE_GPU:  # tests only (utils/general.py)
+            return torch.device("cuda", local_rank % count)
         if local_rank >= count:
             raise UsageError(f"LOCAL_RANK {local_rank} needs GPU {local_rank}, but only {count} GPU(s) are visible; "
                              f"lower --nproc_per_node")
@@ -66,18 +68,18 @@ def set_device(device):
         torch.cuda.set_device(device)
 
 
-def set_threads(workers="auto", cached=False, device_type="cpu", cores=None, procs_per_machine=LOCAL_WORLD_SIZE):
+def set_threads(workers="auto", feed="files", device_type="cpu", cores=None, procs_per_machine=LOCAL_WORLD_SIZE):
     """Split this machine's cores between the processes on it, and each process's between DataLoader workers and
     compute threads; return (threads, workers, why) where why says how the workers were chosen.
 
     Each process gets cores // procs_per_machine cores; its workers take at most all but one, its compute threads
-    the rest, so the machine is never oversubscribed. data.workers=auto picks by what feeds the model (see
+    the rest, so the machine is never oversubscribed. data.workers=auto picks by what feeds the model, feed (see
     auto_workers); a number asked for is lowered, with a warning, to what fits.
     """
     cores = cores or cpu_count()
     per_process = max(1, cores // procs_per_machine)
     if workers == "auto":
-        workers, why = auto_workers(per_process, cached, device_type)
+        workers, why = auto_workers(per_process, feed, device_type)
     else:
         asked, workers, why = int(workers), min(int(workers), per_process - 1), "data.workers"
         if workers < asked:
@@ -88,12 +90,17 @@ def set_threads(workers="auto", cached=False, device_type="cpu", cores=None, pro
     return threads, workers, why
 
 
-def auto_workers(cores, cached, device_type):
-    """data.workers=auto for a process with `cores` cores: (workers, why). Measured by benchmarks/data.py: batches
-    gathered from the RAM cache cost little, so every core computes; a GPU computes by itself, so all cores but
-    the feeding one decode; on a CPU, decoding and the model share the cores half and half."""
-    if cached:
+def auto_workers(cores, feed, device_type):
+    """data.workers=auto for a process with `cores` cores: (workers, why). feed says what the workers do: decode
+    "files" (or JPEGs of the JPEG cache), gather "memory" (the RAM cache's batches) or "bytes" (the JPEG cache's,
+    decoded on the device). Measured by benchmarks/data.py: batches gathered from the RAM cache cost little, so
+    every core computes; a GPU computes by itself, so all cores but the feeding one decode; on a CPU, decoding and
+    the model share the cores half and half. Bytes from the page cache cost little too, but a GPU step is short:
+    two workers read ahead."""
+    if feed == "memory":
         return 0, "auto: data.cache=ram, every core computes"
+    if feed == "bytes":
+        return min(2, cores - 1), "auto: JPEGs decoded on the device; workers only read their bytes"
     if device_type == "cuda":
         return cores - 1, "auto: the GPU computes, the other cores decode"
     return cores // 2, "auto: half the cores decode, half compute"

@@ -1,0 +1,178 @@
+"""Feeding the GPU: ResNet-50 training speed on real JPEGs through each input path, against the GPU's own limit.
+
+Over generated ImageNet-like photos (--images of them, 500x375 JPEGs at quality 90 in 10 classes, written once into a
+temporary folder), recipes/imagenet-resnet50.yaml trains ResNet-50 at 176 px in bf16 with channels_last, batch
+--batch, with crops and flips only (its per-image augmentations off, so every path does the same work), through
+train.py's own data path (datasets, sampler, workers as data.workers=auto splits them, batch_to). Images per second
+of whole training steps for
+
+  (a) synthetic: one batch already on the GPU, the compute limit;
+  (b) per image: PIL decodes and crops each JPEG in the DataLoader workers (data.cache=none);
+  (c) JPEG cache decoded in the workers by torchvision.io.decode_jpeg (data.cache=jpeg data.jpeg_decode=cpu);
+  (d) JPEG cache decoded on the GPU by nvJPEG, a batch per call (data.cache=jpeg data.jpeg_decode=device);
+
+each with torch.compile off and on, printed as a ratio to (a) with the same compile setting.
+
+Without CUDA a CPU is the model's bottleneck, so the script times the input paths alone: cropped uint8 batches
+delivered on the device per second for (b), (c) and (d) (decoding in the main process), alternating the paths for
+--rounds rounds, medians printed as ratios to (b).
+
+    python benchmarks/gpu.py [--images 4000] [--batch 256] [--steps 30] [--rounds 3]
+"""
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from data.cache import batch_to  # noqa: E402
+from data.datasets import build_dataloader, input_feed, set_epoch, training_datasets  # noqa: E402
+from data.transforms import crop_spec, normalizer  # noqa: E402
+from models import build_model  # noqa: E402
+from utils.config import load_recipe  # noqa: E402
+from utils.general import cpu_count  # noqa: E402
+from utils.precision import autocast  # noqa: E402
+from utils.torch_utils import compiled, memory_format, set_threads  # noqa: E402
+
+PATHS = {"(b) per image, PIL in workers": ["data.cache=none"],
+         "(c) JPEG cache, decoded in workers": ["data.cache=jpeg", "data.jpeg_decode=cpu"],
+         "(d) JPEG cache, decoded on the device": ["data.cache=jpeg", "data.jpeg_decode=device"]}
+ONLY_CROPS = ["data.auto_augment=''", "data.random_erase=0", "data.mixup_alpha=0", "data.cutmix_alpha=0",
+              "data.repeats=1"]
+
+
+def write_photos(root, count, seed=0):
+    """An ImageFolder of count smooth random 500x375 (or 375x500) JPEGs at quality 90 in 10 classes, train/ and val/."""
+    rng = np.random.default_rng(seed)
+    for i in range(count):
+        folder = root / ("val" if i % 20 == 19 else "train") / str(i % 10)
+        folder.mkdir(parents=True, exist_ok=True)
+        w, h = (500, 375) if i % 4 else (375, 500)
+        small = rng.integers(0, 256, (h // 12 + 1, w // 12 + 1, 3), dtype=np.uint8)  # upscaled: compresses like photos
+        Image.fromarray(small).resize((w, h), Image.BICUBIC).save(folder / f"{i:05d}.jpg", quality=90)
+    return root
+
+
+def recipe(root, batch, overrides, compile_model=False):
+    return load_recipe("imagenet-resnet50.yaml", [f"data.name={root}", f"train.batch_size={batch}", *ONLY_CROPS,
+                                                  "train.precision=bf16", f"train.compile={compile_model}",
+                                                  "data.cache_dir=" + str(root / "cache"), *overrides])
+
+
+def loader_of(cfg, device):
+    """train.py's training loader for cfg on device (threads and workers split as train.py splits them)."""
+    _, workers, _ = set_threads(cfg.data.workers, input_feed(cfg.data, device), device.type)
+    train_set, _ = training_datasets(cfg.data, cfg.seed, device=device)
+    return build_dataloader(train_set, cfg.train.batch_size, True, cfg.seed, workers, device), workers
+
+
+def batches(loader, device, spec):
+    """Endless (images, targets) on device from loader, epoch after epoch."""
+    epoch = 0
+    while True:
+        set_epoch(loader, epoch)
+        for batch in loader:
+            yield batch_to(batch, device, spec)
+        epoch += 1
+
+
+def rate(feed, steps, warmup, work, device):
+    """Images per second of `work` over `steps` batches of feed, after `warmup` batches."""
+    for _ in range(warmup):
+        work(*next(feed))
+    synchronize(device)
+    start, seen = time.perf_counter(), 0
+    for _ in range(steps):
+        images, targets = next(feed)
+        work(images, targets)
+        seen += len(targets)
+    synchronize(device)
+    return seen / (time.perf_counter() - start)
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def trainer(cfg, device):
+    """A training step of cfg's model (bf16 autocast, channels_last, SGD) on a uint8 batch."""
+    model = build_model(cfg.model, 10, cfg.data.img_size).to(device, memory_format=torch.channels_last)
+    model = compiled(model, cfg.train.compile)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    normalize, criterion = normalizer(cfg.data, device), torch.nn.CrossEntropyLoss()
+
+    def step(images, targets):
+        images = normalize(images).contiguous(memory_format=memory_format(True))
+        with autocast(device, torch.bfloat16):
+            loss = criterion(model(images), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return step
+
+
+def on_gpu(root, args, device):
+    print(f"{torch.cuda.get_device_name(device)}, {cpu_count()} CPU cores; ResNet-50 at 176 px, bf16, channels_last, "
+          f"batch {args.batch}; {args.steps} timed steps after {args.warmup}; images/s")
+    print(f"{'path':40s} {'compile':>7s} {'img/s':>8s} {'of (a)':>7s}")
+    for compile_model in (False, True):
+        cfg = recipe(root, args.batch, PATHS["(b) per image, PIL in workers"], compile_model)
+        step = trainer(cfg, device)
+        images = torch.randint(0, 256, (args.batch, 3, 176, 176), dtype=torch.uint8, device=device)
+        targets = torch.randint(0, 10, (args.batch,), device=device)
+        limit = rate(iter(lambda: (images, targets), None), args.steps, args.warmup, step, device)
+        print(f"{'(a) synthetic, on the GPU':40s} {str(compile_model):>7s} {limit:8.0f} {1:7.2f}", flush=True)
+        for name, overrides in PATHS.items():
+            cfg = recipe(root, args.batch, overrides, compile_model)
+            loader, workers = loader_of(cfg, device)
+            speed = rate(batches(loader, device, crop_spec(cfg.data)), args.steps, args.warmup, step, device)
+            print(f"{name + f' ({workers} workers)':40s} {str(compile_model):>7s} {speed:8.0f} {speed / limit:7.2f}",
+                  flush=True)
+
+
+def on_cpu(root, args, device):
+    print(f"no CUDA: the input paths alone on {cpu_count()} CPU core(s), cropped 176 px uint8 batches of {args.batch} "
+          f"per second; {args.rounds} rounds of {args.steps} batches after {args.warmup}, alternating, medians")
+    feeds = {}
+    for name, overrides in PATHS.items():
+        cfg = recipe(root, args.batch, overrides)
+        loader, workers = loader_of(cfg, device)
+        feeds[f"{name} ({workers} workers)"] = batches(loader, device, crop_spec(cfg.data))
+    rates = {name: [] for name in feeds}
+    for _ in range(args.rounds):
+        for name, feed in feeds.items():
+            rates[name].append(rate(feed, args.steps, args.warmup, lambda images, targets: None, device))
+    base = statistics.median(next(iter(rates.values())))
+    print(f"{'path':48s} {'img/s':>8s} {'of (b)':>7s}")
+    for name, values in rates.items():
+        print(f"{name:48s} {statistics.median(values):8.0f} {statistics.median(values) / base:7.2f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=4000, help="generated 500x375 JPEGs")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=30, help="timed batches per path")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed batches first (compilation, workers)")
+    parser.add_argument("--rounds", type=int, default=3, help="CPU: rounds over the paths")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        root = write_photos(Path(tmp) / "photos", args.images)
+        print(f"wrote {args.images} JPEGs in {time.perf_counter() - start:.0f}s", flush=True)
+        (on_gpu if device.type == "cuda" else on_cpu)(root, args, device)
+
+
+if __name__ == "__main__":
+    main()
