@@ -119,8 +119,8 @@ def predict(args):
         min(args.topk, len(classes))
     if args.tta and RANK == 0:
         LOGGER.info(f"{colorstr('predict:')} TTA: {TTA_NAME}")
-        if flip_warning(cfg.data.hflip, args.weights):
-            LOGGER.warning(flip_warning(cfg.data.hflip, args.weights))
+        if warning := flip_warning(cfg.data.hflip, args.weights):
+            LOGGER.warning(warning)
     rows, skipped = [], []
     with torch.no_grad():
         for images, indices, unreadable in tqdm(loader, desc="predict", disable=None if len(loader) > 1 else True,

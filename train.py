@@ -26,10 +26,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 from data.cache import batch_to
-from data.datasets import (balanced_class_weights, build_dataloader, check_shareable, input_feed, set_epoch,
-                           training_datasets)
+from data.datasets import balanced_class_weights, input_feed, set_epoch, training_data
 from data.layouts import save_split
-from data.mix import batch_mixer
 from data.transforms import crop_spec, normalizer, val_size
 from models import build_model, check_input_size, check_model_name, start_from
 from models.pretrained import fine_tuning, follow_weights, freeze_batchnorm
@@ -43,7 +41,7 @@ from utils.optim import build_optimizer, build_scheduler, stepped_parameters
 from utils.precision import autocast, autocast_dtype, grad_scaler
 from utils.run import make_run_dir, next_steps, prepare_run, resumed_run_dir, stopped_message
 from utils.seeds import init_seeds
-from utils.stopping import StopVote, check_vote, out_of_patience, wants_save, weights_sum
+from utils.stopping import StopVote, check_vote, out_of_patience, record_best, wants_save, weights_sum
 from utils.torch_utils import (compiled, de_parallel, join_uneven_inputs, memory_format, model_ema, no_sync,
                                select_device, set_device, set_threads, smart_DDP, sync_batchnorm, update_ema)
 
@@ -133,14 +131,8 @@ def train(cfg, vote, dtype, run_dir=None, resume=None):
     threads, workers, workers_why = set_threads(cfg.data.workers, input_feed(cfg.data, device), device.type)
     init_seeds(cfg.seed + RANK, cfg.train.deterministic)  # own dropout stream per rank; DDP copies rank 0's init
     # A resumed run reuses its saved data.val_split split (files added since change nothing); else it is made anew.
-    train_set, val_set = training_datasets(cfg.data, cfg.seed, run_dir if resume else None, device)
+    train_set, val_set, train_loader, val_loader, mix = training_data(cfg, device, workers, run_dir if resume else None)
     classes = train_set.classes
-    mix = batch_mixer(cfg.data, len(classes), cfg.seed)  # None unless MixUp or CutMix is on
-    check_shareable(train_set, WORLD_SIZE, cfg.train.batch_size, cfg.data.drop_last, pairs=mix is not None)
-    train_loader = build_dataloader(train_set, cfg.train.batch_size, True, cfg.seed, workers, device,
-                                    cfg.data.drop_last, pairs=mix is not None, repeats=cfg.data.repeats,
-                                    balanced=cfg.data.sampler == "balanced")
-    val_loader = build_dataloader(val_set, cfg.train.batch_size, False, cfg.seed, workers, device)
     steps = train_loader.sampler.steps()[0]
     state = build_state(cfg, len(classes), device, dtype, steps, pretrained=not resume)
     if resume:
@@ -172,7 +164,7 @@ def train(cfg, vote, dtype, run_dir=None, resume=None):
             LOGGER.info(stopped_message(run_dir, epoch, state.step, steps))
             return None
         train_time = time.time() - epoch_start
-        metrics = validate(loop, state, epoch)
+        metrics = validate(loop, state)
         metrics.update({"epoch": epoch + 1, "train/loss": state.epoch_loss[0] / state.epoch_loss[1],
                         "lr/pg0": state.optimizer.param_groups[0]["lr"], "time/epoch": time.time() - epoch_start,
                         "time/img_s": images_seen / train_time})
@@ -262,6 +254,8 @@ def train_one_epoch(loop, state, epoch, show_batch=False):
     if not stopped:
         state.step = most  # also on a rank that took one step fewer
         stopped = at_shared_step(loop, state, epoch, loop.vote.settle(tail_loss, most - 1), running, epoch_end=True)
+    if not stopped:
+        keep_ranks_in_step(state, loop.loader, epoch)  # a rank that took a step fewer catches up
     return state.epoch_loss[1] - running.before[1], stopped
 
 
@@ -295,27 +289,24 @@ def at_shared_step(loop, state, epoch, verdict, running, epoch_end=False):
     cfg, most = loop.cfg.train, loop.loader.sampler.steps()[0]
     stop = check_vote(verdict, epoch, most)
     global_step = epoch * most + state.step
-    if cfg.log_every_steps and state.step % cfg.log_every_steps == 0:  # before a save, so it holds the logged loss
-        # The mean of the steps since the last log, as a difference of the epoch's running totals, which checkpoints
-        # hold: a resumed run logs the same values.
+    log = cfg.log_every_steps and state.step % cfg.log_every_steps == 0
+    save_now = stop or wants_save(cfg.save_every_steps, global_step, state.step, most)
+    if log or save_now or epoch_end:  # the epoch's running totals, which checkpoints hold
         state.epoch_loss = running.total()
+    if log:  # before a save, so it holds the logged loss
+        # The mean of the steps since the last log, as a difference of the running totals: a resumed run logs the
+        # same values.
         (total, n), (logged, logged_n) = state.epoch_loss, state.logged_loss
         if loop.logger and n > logged_n:
             loop.logger.log_step(global_step, (total - logged) / (n - logged_n))
         state.logged_loss = state.epoch_loss
-    if stop or wants_save(cfg.save_every_steps, global_step, state.step, most):
-        stop = check_vote(loop.vote.settle(weights_sum(state.model)), epoch, most) or stop  # never save NaN
-        state.epoch_loss = running.total()
-        save(loop, state, "last.pt")
-    elif epoch_end:
-        state.epoch_loss = running.total()
+    if save_now:
+        stop = save(loop, state, epoch, "last.pt") or stop
     return stop
 
 
-def validate(loop, state, epoch):
-    """Every rank in step again (an epoch may end unevenly), then the val metrics of the weights and their EMA
-    (with train.tta, of each image and its flip)."""
-    keep_ranks_in_step(state, loop.loader, epoch)
+def validate(loop, state):
+    """The val metrics of the weights and their EMA (with train.tta, of each image and its flip)."""
     args = (loop.val_loader, loop.normalize, len(loop.classes), loop.vote.device, loop.dtype)
     tta = loop.cfg.train.tta
     metrics = evaluate(de_parallel(state.model), *args, keep_wrong=WRONG_SHOWN if loop.logger else 0, tta=tta)
@@ -325,30 +316,26 @@ def validate(loop, state, epoch):
 def end_epoch(loop, state, epoch, metrics):
     """Commit the epoch: the best score of train.best_metric so far (of the weights or their EMA, whichever is
     better), the logs, and last.pt (and best.pt when it improved). Returns whether a stop signal arrived during
-    validation."""
+    validation (save's vote)."""
     state.epoch, state.step, state.epoch_loss, state.logged_loss = epoch + 1, 0, (0.0, 0), (0.0, 0)
-    name = state.best_metric
-    ema_better = state.ema is not None and metrics[f"val/ema_{name}"] > metrics[f"val/{name}"]
-    score = metrics[f"val/ema_{name}"] if ema_better else metrics[f"val/{name}"]
-    improved = score > state.best_top1
-    if improved:
-        state.best_top1, state.best_epoch = score, epoch + 1
+    improved, ema_better = record_best(state, metrics, epoch)
     if loop.logger:
         loop.logger.log_epoch(metrics, (epoch + 1) * loop.loader.sampler.steps()[0])
         LOGGER.info(epoch_summary(metrics, loop.cfg.train.epochs))
-    stop_asked = check_vote(loop.vote.settle(weights_sum(state.model)), epoch, loop.loader.sampler.steps()[0])
-    save(loop, state, *(["best.pt"] if improved else []), "last.pt", best_from_ema=ema_better)
-    return stop_asked
+    return save(loop, state, epoch, *(["best.pt"] if improved else []), "last.pt", best_from_ema=ema_better)
 
 
-def save(loop, state, *names, best_from_ema=False):
+def save(loop, state, epoch, *names, best_from_ema=False):
     """Save the run where it is as weights/NAME for each name (all ranks call this, rank 0 writes), after the
-    TensorBoard events logged so far, so that a resumed run's events continue from the checkpoint's."""
+    TensorBoard events logged so far, so that a resumed run's events continue from the checkpoint's. The ranks
+    first vote on the weights (never save NaN: a step with a finite loss may still overflow them), which also
+    counts a stop signal; returns whether one arrived."""
+    stop = check_vote(loop.vote.settle(weights_sum(state.model)), epoch, loop.loader.sampler.steps()[0])
     if loop.logger:
-        loop.logger.tb.flush()
+        loop.logger.flush()
     save_state(state, loop.recipe, loop.classes, loop.train_images, [loop.run_dir / "weights" / n for n in names],
                best_from_ema)
-
+    return stop
 
 
 if __name__ == "__main__":

@@ -87,8 +87,8 @@ def validate(args):
     LOGGER.info(f"{colorstr('val:')} {args.weights} ({position(ckpt)}) on {short_path(dataset.root)}: "
                 f"{len(dataset)} images, {len(classes)} classes; {WORLD_SIZE} process(es) on {device.type}, "
                 f"batch {batch_size}, {precision}{f'; TTA: {TTA_NAME}' if args.tta else ''}")
-    if args.tta and flip_warning(cfg.data.hflip, args.weights) and RANK == 0:  # warnings print on every rank
-        LOGGER.warning(flip_warning(cfg.data.hflip, args.weights))
+    if args.tta and (warning := flip_warning(cfg.data.hflip, args.weights)) and RANK == 0:  # prints on every rank
+        LOGGER.warning(warning)
     metrics = evaluate(model, loader, normalizer(cfg.data, device), len(classes), device, dtype, tta=args.tta)
     if RANK == 0:
         save_dir = increment_path(Path(args.project) / args.name, mkdir=True)

@@ -12,6 +12,9 @@ tensor without copying it.
 
 Each process on a machine holds its own copy, so the memory budget (memory_budget) is the least of the memory
 available and the container's room, shared by the processes on the machine.
+
+batch_to moves either cache's batches to the training device; the JPEG cache's (data/jpeg_cache.py) are decoded and
+cropped by decode_crop, here beside it.
 """
 
 import math

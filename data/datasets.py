@@ -20,6 +20,7 @@ from data.cifar import CIFAR, cifar_dataset
 from data.jpeg_cache import JpegImages, decodes_on_device, jpeg_datasets
 from data.layouts import (CLASS_FOLDERS, CSV_FILES, SPLIT_FILE, VAL_NAMES, HoldOut, csv_dataset, csv_datasets, either,
                           find_layout, first_present, listed_split, read_split, split_files)
+from data.mix import batch_mixer
 from data.sampler import BalancedSampler, DistributedShuffleSampler, SeededSamples, seed_hash
 from data.transforms import train_transforms, val_transforms
 from data.verify import UNREADABLE, decode, unreadable_images, unreadable_reason
@@ -245,6 +246,20 @@ def training_datasets(cfg, seed, saved_in=None, device=torch.device("cpu")):
     if cfg.cache == "jpeg":
         return jpeg_datasets(train_source, val_source, cfg, seed, val_transforms(cfg), device)
     return cached_datasets(train_source, val_source, cfg, seed, val_transforms(cfg))
+
+
+def training_data(cfg, device, workers, saved_in=None):
+    """A recipe's (train_set, val_set, train_loader, val_loader, mix): the datasets (training_datasets), MixUp and
+    CutMix (None unless on), and loaders over this rank's shares with `workers` workers each (see build_dataloader).
+    saved_in: a resumed run's directory, whose data.val_split split is reused."""
+    train_set, val_set = training_datasets(cfg.data, cfg.seed, saved_in, device)
+    mix = batch_mixer(cfg.data, len(train_set.classes), cfg.seed)
+    check_shareable(train_set, WORLD_SIZE, cfg.train.batch_size, cfg.data.drop_last, pairs=mix is not None)
+    train_loader = build_dataloader(train_set, cfg.train.batch_size, True, cfg.seed, workers, device,
+                                    cfg.data.drop_last, pairs=mix is not None, repeats=cfg.data.repeats,
+                                    balanced=cfg.data.sampler == "balanced")
+    val_loader = build_dataloader(val_set, cfg.train.batch_size, False, cfg.seed, workers, device)
+    return train_set, val_set, train_loader, val_loader, mix
 
 
 def input_feed(cfg, device):

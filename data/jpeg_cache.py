@@ -5,8 +5,8 @@ what the recipe's crops can use), validation images as the raw uint8 pixels of t
 random: exactly the per-image path's, so val.py agrees with the run). A batch is its images' bytes gathered from
 the page cache, which every process and DataLoader worker on the machine shares: no copy per process and no
 memory budget. JPEGs are decoded by torchvision.io.decode_jpeg, a whole batch in one call: on the GPU (nvJPEG)
-when training on CUDA, else in the DataLoader workers; then cropped and flipped per batch on the training device
-with the RAM cache's crop (transforms.crop_batch), from the same per-sample seeds, so every promise of the RAM cache
+when training on CUDA, else in the DataLoader workers; then each image is cropped and flipped where it was decoded
+(cache.decode_crop), from the same per-sample seeds as the RAM cache's crops, so every promise of the RAM cache
 holds: the same crop boxes at any number of processes, and exact mid-epoch resume.
 
 A file is named by what it holds (split, stored size, and a fingerprint of the images: their paths, labels, sizes

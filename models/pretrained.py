@@ -123,16 +123,18 @@ def timm_state(model_name, tag, source):
     name, config = timm_name(model_name, tag), timm_config(model_name, tag)
     url, place = timm_source(config)
 
+    loaded = {}
+
     def fetch():
         try:
-            timm.create_model(name, pretrained=True)
+            loaded.update(timm.create_model(name, pretrained=True).state_dict())  # kept: not built twice here
         except (OSError, RuntimeError, ValueError) as e:  # requests' and huggingface_hub's errors are OSErrors
             fill = f" (hf download {config.hf_hub_id} fills it)" if config.hf_hub_id else ""
             return (f"{source}: cannot download timm's {name} from {url} ({error_line(e) or type(e).__name__}); "
                     f"without internet, place a copy at {place}{fill}")
         return None
     once_per_machine(fetch)
-    return timm.create_model(name, pretrained=True).state_dict(), f"timm's {name} from {place}"
+    return loaded or timm.create_model(name, pretrained=True).state_dict(), f"timm's {name} from {place}"
 
 
 def timm_source(config):
@@ -143,7 +145,7 @@ def timm_source(config):
 
         folder = Path(constants.HF_HUB_CACHE) / f"models--{config.hf_hub_id.replace('/', '--')}"
         return f"https://huggingface.co/{config.hf_hub_id}", folder
-    return config.url, Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(config.url).path).name
+    return config.url, cache_path(config)
 
 
 def named_state(model_name, weights, source):

@@ -174,9 +174,9 @@ def test_best_pt_and_patience_follow_train_best_metric(image_folder, tmp_path, m
                                                        score, best_epoch, source, stopped_after):
     validate = train.validate
 
-    def scripted(loop, state, epoch):
+    def scripted(loop, state):  # state.epoch: the epoch being validated
         names = ("val/top1", "val/balanced_top1", "val/ema_top1", "val/ema_balanced_top1")
-        return {**validate(loop, state, epoch), **dict(zip(names, SCRIPT[epoch]))}
+        return {**validate(loop, state), **dict(zip(names, SCRIPT[state.epoch]))}
     monkeypatch.setattr(train, "validate", scripted)
     root = image_folder({"train": {"a": 6, "b": 2}, "val": {"a": 2, "b": 1}}, size=8)
     best = train.main(["--recipe", "cls.yaml", f"data.name={root}", "train.epochs=6", "train.batch_size=4",

@@ -17,9 +17,10 @@ from omegaconf import OmegaConf
 import train
 from conftest import make_image_folder, read_results, run_python, run_torchrun
 from models import build_model, head_keys, start_from
-from models.pretrained import cache_path, fine_tuning, torchvision_weights, weights_kind, weights_preprocessing
+from models.pretrained import (cache_path, fine_tuning, follow_weights, torchvision_weights, weights_kind,
+                               weights_preprocessing)
 from utils.checkpoint import load_checkpoint
-from utils.config import IMAGENET_MEAN, IMAGENET_STD, ModelConfig, OptimConfig, SchedConfig
+from utils.config import IMAGENET_MEAN, IMAGENET_STD, ModelConfig, OptimConfig, SchedConfig, load_recipe
 from utils.general import SharedError
 from utils.optim import build_optimizer, build_scheduler, stepped_parameters
 
@@ -162,11 +163,17 @@ def test_offline_a_file_placed_in_the_cache_starts_the_run_and_preprocessing_fol
     assert "differ from the preprocessing" not in log.text
 
 
-def test_preprocessing_is_the_weights_own_and_a_recipe_that_sets_other_values_keeps_them():
+def test_preprocessing_is_the_weights_own_and_a_recipe_that_sets_other_values_keeps_them(log):
     assert weights_preprocessing("resnet50", "IMAGENET1K_V2") == {"mean": IMAGENET_MEAN, "std": IMAGENET_STD,
                                                                   "val_img_size": 224, "crop_pct": 224 / 232}
     assert weights_preprocessing("vit_b_16", "IMAGENET1K_SWAG_E2E_V1")["val_img_size"] == 384
     assert weights_preprocessing("resnet18", "resnet18.pth") is None
+    # Left at the defaults, the keys follow the weights; set otherwise, the recipe's stay, with one warning.
+    cfg = follow_weights(load_recipe("folder.yaml", ["model.name=resnet50", "model.weights=IMAGENET1K_V2",
+                                                     "data.mean=[0.5,0.5,0.5]"]))
+    assert list(cfg.data.mean) == [0.5] * 3
+    assert cfg.data.val_img_size == 224 and cfg.data.crop_pct == pytest.approx(224 / 232)
+    assert "the recipe's data.mean=[0.5, 0.5, 0.5] (theirs: [0.485, 0.456, 0.406]) differ" in log.text
 
 
 @pytest.fixture(scope="module")

@@ -97,6 +97,10 @@ class RunLogger:
                                   step, dataformats="HWC")
         self.unplotted = None
 
+    def flush(self):
+        """Write the TensorBoard events logged so far (before a checkpoint, which a resumed run continues from)."""
+        self.tb.flush()
+
     def close(self):
         """Draw the plots of the last epoch if they are not yet drawn; flush and close the TensorBoard writer."""
         if self.unplotted is not None:

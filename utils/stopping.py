@@ -116,6 +116,18 @@ def wants_save(every, global_step, step, steps):
     return bool(every) and global_step % every == 0 and step < steps
 
 
+def record_best(state, metrics, epoch):
+    """Keep the epoch's val score of train.best_metric in state if it is the best so far, taking the better of the
+    weights' and their EMA's; returns (whether it improved, whether the EMA's was the better)."""
+    name = state.best_metric
+    ema_better = state.ema is not None and metrics[f"val/ema_{name}"] > metrics[f"val/{name}"]
+    score = metrics[f"val/ema_{name}"] if ema_better else metrics[f"val/{name}"]
+    improved = score > state.best_top1
+    if improved:
+        state.best_top1, state.best_epoch = score, epoch + 1
+    return improved, ema_better
+
+
 def out_of_patience(patience, state, epochs):
     """Early stopping: whether `patience` epochs have passed without a better val score of train.best_metric (every
     rank agrees: the metrics are the same everywhere)."""
