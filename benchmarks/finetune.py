@@ -1,6 +1,6 @@
 """Fine-tuning from pretrained weights by name against training from scratch, offline, on digits.
 
-    python benchmarks/finetune.py [--seeds 0 1 2 3 4] [--per-class 4]
+    python benchmarks/finetune.py [--seeds 0 1 2 3 4] [--per-class 8]
 
 No ImageNet weights can be downloaded on machines without internet, so the mechanism is shown with weights trained
 here: ResNet-18 is trained on the digits 0-4 in their eight orientations (datasets/digits, 32 px; 40 classes), its
@@ -46,7 +46,7 @@ ORIENTATIONS = {"": None, "-mirrored": Image.Transpose.FLIP_LEFT_RIGHT, "-flippe
                 "-transversed": Image.Transpose.TRANSVERSE}
 PRETRAIN = ["model.weights=''", "train.epochs=10", "train.batch_size=48", "train.patience=0", "optim.lr=0.002",
             "data.scale=[0.35,1.0]"]
-FINETUNE = ["train.batch_size=4"]  # 4 images per class of 5 classes: 5 steps an epoch; the recipe's epochs, schedule
+FINETUNE = ["train.batch_size=4"]  # a few dozen images: 10 steps an epoch; the recipe's epochs and schedule
 SCRATCH = {"from scratch, the same recipe": ["model.weights=''"],
            "from scratch, folder.yaml's from-scratch command": [
                "model.weights=''", "optim.lr=0.002", "train.epochs=40", "train.patience=10", "sched.warmup_epochs=2"]}
@@ -105,7 +105,7 @@ def place_as_torchvision_weights(checkpoint, path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    parser.add_argument("--per-class", type=int, default=4, help="training images per class of the digits 5-9")
+    parser.add_argument("--per-class", type=int, default=8, help="training images per class of the digits 5-9")
     parser.add_argument("--finetune", nargs="*", default=[], help="more recipe overrides for the fine-tuned runs")
     args = parser.parse_args()
     start, digits = time.time(), dataset_root("digits")
