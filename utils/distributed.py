@@ -2,6 +2,7 @@
 
 import os
 import sys
+import uuid
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -45,6 +46,19 @@ def setup_distributed():
     if WORLD_SIZE > 1 and not dist.is_initialized():
         dist.init_process_group(backend=distributed_backend(torch.cuda.is_available()), timeout=DIST_TIMEOUT,
                                 **restart_store())
+        _job["token"] = broadcast_object(uuid.uuid4().hex)
+
+
+_job = {"token": None}  # this launch's (and restart attempt's) own name in the store, drawn by rank 0 at set-up
+
+
+def job_store():
+    """The process group's key-value store (torch's TCPStore, reachable from every rank on every machine), under a
+    prefix that names this launch attempt alone: keys of a failed attempt that torchrun restarted are never read.
+    None for one process."""
+    if not dist.is_initialized() or _job["token"] is None:
+        return None
+    return dist.PrefixStore(f"cls/{_job['token']}/", dist.distributed_c10d._get_default_store())
 
 
 def restart_store():
