@@ -22,7 +22,8 @@ from data.transforms import normalizer, val_transforms
 from models import model_from_checkpoint
 from utils.checkpoint import load_model_checkpoint, position
 from utils.config import checkpoint_recipe
-from utils.distributed import cleanup_distributed, exit_on_error, on_rank0, setup_distributed
+from utils.distributed import (cleanup_distributed, exit_on_error, on_rank0, setup_distributed,
+                               stop_if_another_rank_failed)
 from utils.general import LOGGER, RANK, WORLD_SIZE, UsageError, colorstr, format_table, increment_path, short_path
 from utils.metrics import evaluate, per_class
 from utils.plots import confusion_figure, save_figure
@@ -58,9 +59,14 @@ def main(argv=None):
         setup_distributed()
         try:
             return validate(args)
+        except UsageError as e:  # said while this rank is still in the group, where the others find it
+            exit_on_error("val.py", e)
+        except Exception:
+            stop_if_another_rank_failed("val.py")  # a collective broken by a rank that failed and left
+            raise
         finally:
             cleanup_distributed()
-    except UsageError as e:
+    except UsageError as e:  # met before the group was joined
         exit_on_error("val.py", e)
 
 
@@ -73,7 +79,7 @@ def validate(args):
     precision, dtype = inference_precision(args.precision, cfg.train.precision, device)
     _, workers, _ = set_threads(cfg.data.workers if args.workers is None else args.workers, device_type=device.type)
     dataset = named_eval_dataset(args.data or cfg.data.name, args.split, val_transforms(cfg.data), classes,
-                                 args.weights)
+                                 args.weights, cfg.data.csv_allow_outside)
     if cfg.data.skip_corrupt and hasattr(dataset, "samples"):  # as training did: its recorded top-1 left them out
         skipped = skip_unreadable(dataset)
         if skipped and RANK == 0:

@@ -37,6 +37,26 @@ CIFAR100_SUPERCLASSES = {
     "vehicles_2": ["lawn_mower", "rocket", "streetcar", "tank", "tractor"],
 }
 CIFAR100_CLASSES = sorted(name for names in CIFAR100_SUPERCLASSES.values() for name in names)
+# The only callables a CIFAR file may name: numpy's array reconstruction (as numpy 1 and 2 spell it; _frombuffer for
+# protocol 5), dtype, and _codecs.encode, with which Python 3 writes bytes at protocol 2.
+CIFAR_GLOBALS = {(module, name) for core in ("numpy.core", "numpy._core")
+                 for module, name in ((f"{core}.multiarray", "_reconstruct"), (f"{core}.numeric", "_frombuffer"))}
+CIFAR_GLOBALS |= {("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode")}
+
+
+class RefusedGlobal(pickle.UnpicklingError):
+    """A pickle that names a callable CIFAR's files never hold."""
+
+
+class CifarUnpickler(pickle.Unpickler):
+    """An Unpickler that builds only what CIFAR's files hold (dicts, lists, strings, numbers and numpy arrays): a
+    pickle may name any callable to run as it loads, so one placed in datasets/ could run code; any callable but
+    CIFAR_GLOBALS is refused before it is imported."""
+
+    def find_class(self, module, name):
+        if (module, name) not in CIFAR_GLOBALS:
+            raise RefusedGlobal(f"it asks for {module}.{name}, which CIFAR's files never hold; refused, nothing run")
+        return super().find_class(module, name)
 
 
 class Cifar10(CIFAR10):
@@ -73,11 +93,14 @@ class Cifar10(CIFAR10):
         return True
 
     def _read(self, name, keys):
-        """The dict a file holds (a Python 2 pickle, as torchvision reads it), or a DatasetError naming the file."""
+        """The dict a file holds (a Python 2 pickle, as torchvision reads it, by CifarUnpickler), or a DatasetError
+        naming the file."""
         path = self.folder / name
         try:
             with open(path, "rb") as f:
-                content = pickle.load(f, encoding="latin1")  # Python 2 str to str; numpy accepts its latin1 buffers
+                content = CifarUnpickler(f, encoding="latin1").load()  # Python 2 str to str; numpy takes latin1 buffers
+        except RefusedGlobal as e:
+            raise self._damaged(path, str(e)) from None
         except Exception as e:  # a damaged pickle can fail with almost any exception, none naming the file
             raise self._damaged(path, ": ".join([type(e).__name__, *str(e).strip().splitlines()[:1]])) from None
         absent = [key for key in keys if not isinstance(content, dict) or key not in content]

@@ -19,7 +19,7 @@ from data.cache import RamImages, cached_datasets, keep_batch
 from data.cifar import CIFAR, cifar_dataset
 from data.jpeg_cache import JpegImages, decodes_on_device, jpeg_datasets
 from data.layouts import (CLASS_FOLDERS, CSV_FILES, SPLIT_FILE, VAL_NAMES, HoldOut, csv_dataset, csv_datasets, either,
-                          find_layout, first_present, listed_split, read_split, split_files)
+                          find_layout, first_present, listed_alike, listed_split, read_split, split_files)
 from data.mix import batch_mixer
 from data.sampler import BalancedSampler, DistributedShuffleSampler, SeededSamples, seed_hash
 from data.transforms import train_transforms, val_transforms
@@ -122,34 +122,39 @@ def labelled_as(dataset, classes, unknown_means):
     return dataset
 
 
-def eval_dataset(root, split, transform, classes, weights):
+def eval_dataset(root, split, transform, classes, weights, allow_outside=False):
     """root's split (train, val or test) labelled with the classes a checkpoint (weights) was trained on, in any
-    layout (data/layouts.py); a root of class folders as split by data.val_split, in the checkpoint's run."""
-    layout = find_layout(root)
+    layout (data/layouts.py); a root of class folders as split by data.val_split, in the checkpoint's run. Every
+    rank lists it, and must list the same (listed_alike)."""
+    layout, unknown_means = find_layout(root), f"not among the {len(classes)} classes {weights} was trained on"
     if layout == CSV_FILES:
         names = [f"{name}.csv" for name in (VAL_NAMES if split == "val" else (split,))]
-        return csv_dataset(first_present(root, names, "to evaluate"), transform, load_rgb, classes,
-                           f"is not among the {len(classes)} classes {weights} was trained on")
+        return listed_alike(root, lambda: (csv_dataset(first_present(root, names, "to evaluate"), transform, load_rgb,
+                                                       classes, f"is {unknown_means}", allow_outside),))[0]
     if layout == CLASS_FOLDERS:
-        return saved_split_dataset(root, split, transform, classes, weights)
+        record, path = saved_split(root, split, weights)  # read by rank 0, outside listed_alike: a collective
+        return listed_alike(root, lambda: (listed_split(root, record, split, transform, load_rgb, classes, path),))[0]
+    return listed_alike(root, lambda: (split_folder(root, split, transform, classes, f"are {unknown_means}"),))[0]
+
+
+def split_folder(root, split, transform, classes, unknown_means):
+    """root's split (train, val or test) folder as an ImageFolder labelled with classes (labelled_as)."""
     folder = root / split if split != "val" else split_dir(root, "val")
     if not folder.is_dir():
         raise DatasetError(f"{root}: no {split}/ folder (an ImageFolder root holds train/, val/ or test/, each "
                            f"with one folder per class)")
-    return labelled_as(image_folder(folder, transform), classes,
-                       f"are not among the {len(classes)} classes {weights} was trained on")
+    return labelled_as(image_folder(folder, transform), classes, unknown_means)
 
 
-def saved_split_dataset(root, split, transform, classes, weights):
-    """val.py on a root of class folders: the train or val files of the split that the checkpoint's run saved."""
+def saved_split(root, split, weights):
+    """val.py on a root of class folders: (the split record the checkpoint's run saved, its path)."""
     if split == "test":
         raise DatasetError(f"{root}: no test split; data.val_split splits a folder of class folders into train and "
                            f"val only")
     path = run_dir_of(weights) / SPLIT_FILE
-    record = read_split(path, f"val.py reads {root}, a folder of class folders, as the run that trained {weights} "
-                              f"split it: keep the checkpoint in its run's weights/ folder, or give --data a root "
-                              f"with a val/ folder")
-    return listed_split(root, record, split, transform, load_rgb, classes, path)
+    return read_split(path, f"val.py reads {root}, a folder of class folders, as the run that trained {weights} "
+                            f"split it: keep the checkpoint in its run's weights/ folder, or give --data a root "
+                            f"with a val/ folder"), path
 
 
 def skip_unreadable(dataset):
@@ -182,24 +187,24 @@ def skipped_message(skipped, shown=20):
     return "\n".join([header, *lines])
 
 
-def build_datasets(root, train_transform, val_transform, skip_corrupt=False, hold_out=None):
+def build_datasets(root, train_transform, val_transform, skip_corrupt=False, hold_out=None, allow_outside=False):
     """Train and val datasets of a root in any layout (data/layouts.py): train/ and the first of val/, valid/ and
-    test/ as ImageFolders, train.csv and val.csv, or class folders split by data.val_split (hold_out, a HoldOut);
-    rank 0 logs which. Unreadable images dropped if skip_corrupt; val labels follow train's class indices (val may
+    test/ as ImageFolders, train.csv and val.csv (allow_outside: data.csv_allow_outside), or class folders split by
+    data.val_split (hold_out, a HoldOut); rank 0 logs which. Every rank lists them, and must list the same
+    (listed_alike). Unreadable images dropped if skip_corrupt; val labels follow train's class indices (val may
     lack some classes)."""
     hold_out = hold_out or HoldOut()
     layout = find_layout(root, hold_out.share)
     if layout == CSV_FILES:
-        train_set, val_set = csv_datasets(root, train_transform, val_transform, load_rgb)
+        train_set, val_set = listed_alike(root, csv_datasets, root, train_transform, val_transform, load_rgb,
+                                          allow_outside)
         used = f"training on train.csv, validating on {val_set.name}.csv"
     elif layout == CLASS_FOLDERS:
-        train_set, val_set, used = held_out_datasets(root, train_transform, val_transform, hold_out)
+        record, source, used = held_out_split(root, hold_out)  # rank 0's, outside listed_alike: a collective
+        train_set, val_set = listed_alike(root, split_datasets, root, record, source, train_transform, val_transform)
     else:
-        train_dir, val_dir = split_dir(root, "train"), split_dir(root, "val")
-        train_set = image_folder(train_dir, train_transform)
-        val_set = labelled_as(image_folder(val_dir, val_transform), train_set.classes,
-                              f"have no training images in {train_dir}")
-        used = f"training on train/, validating on {val_dir.name}/"
+        train_set, val_set = listed_alike(root, folder_datasets, root, train_transform, val_transform)
+        used = f"training on train/, validating on {Path(val_set.root).name}/"
     LOGGER.info(f"{colorstr('data:')} {short_path(root)}: {used}")  # LOGGER prints on rank 0 alone
     if skip_corrupt:
         skipped = {**skip_unreadable(train_set), **skip_unreadable(val_set)}
@@ -208,9 +213,24 @@ def build_datasets(root, train_transform, val_transform, skip_corrupt=False, hol
     return train_set, val_set
 
 
-def held_out_datasets(root, train_transform, val_transform, hold_out):
-    """data.val_split's (train set, val set, how they were made) of a root of class folders: split afresh by rank
-    0, whose lists every rank takes (one split, even while files are being added), or as the resumed run saved it."""
+def folder_datasets(root, train_transform, val_transform):
+    """The train and val ImageFolders of a root of split folders: train/ and the first of val/, valid/ and test/."""
+    train_dir = split_dir(root, "train")
+    train_set = image_folder(train_dir, train_transform)
+    return train_set, labelled_as(image_folder(split_dir(root, "val"), val_transform), train_set.classes,
+                                  f"have no training images in {train_dir}")
+
+
+def split_datasets(root, record, source, train_transform, val_transform):
+    """The train and val sets of a data.val_split record (held_out_split) of a root of class folders."""
+    return tuple(listed_split(root, record, which, transform, load_rgb, record["classes"], source)
+                 for which, transform in (("train", train_transform), ("val", val_transform)))
+
+
+def held_out_split(root, hold_out):
+    """data.val_split's (split record, its source, how it was made) for a root of class folders: split afresh by
+    rank 0, whose lists every rank takes (one split, even while files are being added), or as the resumed run
+    saved it."""
     if hold_out.saved_in is None:
         record = on_rank0(lambda: split_files(image_folder(root, None), hold_out.share, hold_out.seed))
         source, used = root, (f"data.val_split={hold_out.share} of each class's images held out for val (seed "
@@ -219,11 +239,10 @@ def held_out_datasets(root, train_transform, val_transform, hold_out):
         source = hold_out.saved_in / SPLIT_FILE
         record = read_split(source, "without it the resumed run cannot go on with the same split; start a new run")
         used = f"the run's split, from {source}"
-    return (*(listed_split(root, record, which, transform, load_rgb, record["classes"], source)
-              for which, transform in (("train", train_transform), ("val", val_transform))), used)
+    return record, source, used
 
 
-def train_val_datasets(name, train_transform, val_transform, skip_corrupt=False, hold_out=None):
+def train_val_datasets(name, train_transform, val_transform, skip_corrupt=False, hold_out=None, allow_outside=False):
     """The train and val datasets data.name names: CIFAR-10/100's training and test sets, or those of a dataset
     root (embedded or the user's) in any layout (build_datasets)."""
     if name in CIFAR:  # read from their own file format under datasets/ (data/cifar.py)
@@ -231,7 +250,7 @@ def train_val_datasets(name, train_transform, val_transform, skip_corrupt=False,
             raise DatasetError(f"data.val_split={hold_out.share}: {name} validates on its own test set; set "
                                f"data.val_split=0")
         return cifar_dataset(name, True, train_transform), cifar_dataset(name, False, val_transform)
-    return build_datasets(dataset_root(name), train_transform, val_transform, skip_corrupt, hold_out)
+    return build_datasets(dataset_root(name), train_transform, val_transform, skip_corrupt, hold_out, allow_outside)
 
 
 def training_datasets(cfg, seed, saved_in=None, device=torch.device("cpu")):
@@ -241,8 +260,10 @@ def training_datasets(cfg, seed, saved_in=None, device=torch.device("cpu")):
     data.val_split split is reused (see data/layouts.py)."""
     hold_out = HoldOut(cfg.val_split, seed, saved_in)
     if cfg.cache == "none":
-        return train_val_datasets(cfg.name, train_transforms(cfg), val_transforms(cfg), cfg.skip_corrupt, hold_out)
-    train_source, val_source = train_val_datasets(cfg.name, None, None, cfg.skip_corrupt, hold_out)
+        return train_val_datasets(cfg.name, train_transforms(cfg), val_transforms(cfg), cfg.skip_corrupt, hold_out,
+                                  cfg.csv_allow_outside)
+    train_source, val_source = train_val_datasets(cfg.name, None, None, cfg.skip_corrupt, hold_out,
+                                                  cfg.csv_allow_outside)
     if cfg.cache == "jpeg":
         return jpeg_datasets(train_source, val_source, cfg, seed, val_transforms(cfg), device)
     return cached_datasets(train_source, val_source, cfg, seed, val_transforms(cfg))
@@ -270,11 +291,11 @@ def input_feed(cfg, device):
     return "bytes" if cfg.cache == "jpeg" and decodes_on_device(cfg, device) else "files"
 
 
-def named_eval_dataset(name, split, transform, classes, weights):
+def named_eval_dataset(name, split, transform, classes, weights, allow_outside=False):
     """data.name's split (train, val or test) labelled with the classes a checkpoint (weights) was trained on;
-    CIFAR's val is its test set."""
+    CIFAR's val is its test set. allow_outside: data.csv_allow_outside."""
     if name not in CIFAR:
-        return eval_dataset(dataset_root(name), split, transform, classes, weights)
+        return eval_dataset(dataset_root(name), split, transform, classes, weights, allow_outside)
     dataset = cifar_dataset(name, split == "train", transform)
     if dataset.classes != list(classes):
         raise DatasetError(f"{name}: its {len(dataset.classes)} classes are not the {len(classes)} classes {weights} "

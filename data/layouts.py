@@ -14,10 +14,11 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from torchvision.datasets import VisionDataset
 
-from utils.distributed import on_rank0
-from utils.general import DatasetError
+from utils.distributed import gather_object, on_rank0
+from utils.general import LOGGER, RANK, DatasetError, colorstr, error_line
 
 FOLDERS, CSV_FILES, CLASS_FOLDERS = "folders", "csv", "class folders"  # the layouts find_layout tells apart
 VAL_NAMES = ("val", "valid", "test")  # a root's val split, the first present (Roboflow and Kaggle export 'valid')
@@ -86,6 +87,83 @@ def find_layout(root, val_split=None):
     return CSV_FILES if csvs else FOLDERS if folders else CLASS_FOLDERS
 
 
+def listed_alike(root, build, *args):
+    """build(*args): a tuple of datasets that each rank lists for itself (from its own disk), returned once every rank
+    holds the same classes and (path relative to the dataset's root, class) samples in the same order. A DatasetError
+    that some ranks meet and others not (a file missing on one machine), or lists that differ (copies that differ,
+    files added during start-up), stop every rank with one line naming the ranks and machines and what each saw."""
+    try:
+        datasets, error = build(*args), None
+    except DatasetError as e:
+        datasets, error = None, e
+    reports = gather_object((socket.gethostname(), error_line(error) if error else None,
+                             None if error else [listing(dataset) for dataset in datasets]))
+    hosts = [host for host, _, _ in reports]
+    failed = {rank: message for rank, (_, message, _) in enumerate(reports) if message is not None}
+    if error is not None and len(failed) == len(reports) and len(set(failed.values())) == 1:
+        raise error  # every rank met the same problem: said as it is, once
+    if failed:
+        message = next(iter(failed.values()))
+        alike = [rank for rank, m in failed.items() if m == message]
+        fine = [rank for rank in range(len(reports)) if rank not in failed]
+        others = f", other errors by {len(failed) - len(alike)} other rank(s)" if len(failed) > len(alike) else ""
+        raise DatasetError(f"{message} (met by {places(alike, hosts)}{others}"
+                           f"{f', not by {places(fine, hosts)}' if fine else ''}); {SAME_DATA}")
+    seen = [listings for _, _, listings in reports]
+    if any(listings != seen[0] for listings in seen):
+        raise DatasetError(f"{root}: the ranks list different images: {differing(seen, hosts)}; {SAME_DATA}")
+    return datasets
+
+
+SAME_DATA = ("every machine needs the same copy of the dataset (the same files, at the same paths under its root), "
+             "unchanged while the run starts: make the copies identical (e.g. rsync -a --delete from one machine) "
+             "and start again")
+
+
+def listing(dataset):
+    """(images, classes, digest) of a dataset: the digest hashes its classes and its (path relative to its root,
+    class) samples in order; equal on two ranks when they list the same. A second for ImageNet's 1.28M images."""
+    prefix = os.path.join(dataset.root, "")
+    names = "\0".join([path.removeprefix(prefix) for path, _ in dataset.samples])  # no path holds a NUL
+    digest = hashlib.sha256(names.encode("utf-8", "surrogateescape"))
+    digest.update(np.asarray(dataset.targets, dtype=np.int64).tobytes())
+    digest.update(json.dumps(dataset.classes).encode())
+    return len(dataset.samples), len(dataset.classes), digest.hexdigest()
+
+
+def differing(seen, hosts):
+    """What each group of ranks with the same listings (one per dataset) saw: 'rank 0 on a: 10 train / 4 val images,
+    2 classes; rank 1 on b: ...', with the same counts said to hide other files, labels or order."""
+    groups = {}
+    for rank, listings in enumerate(seen):
+        groups.setdefault(tuple(map(tuple, listings)), []).append(rank)
+    counts = {tuple(listing[:2] for listing in listings) for listings in groups}
+    described = [f"{places(ranks, hosts)}: {' / '.join(str(n) for n, _, _ in listings)} images "
+                 f"({'train / val' if len(listings) == 2 else 'in the split'}), {listings[0][1]} classes"
+                 for listings, ranks in groups.items()]
+    same = " (the same counts: other files, labels or order)" if len(counts) == 1 else ""
+    return "; ".join(described) + same
+
+
+def places(ranks, hosts):
+    """'rank 3 on a', 'ranks 0-7 on a, 16-23 on c': ranks (ascending) by the machine (hosts[rank]) they run on."""
+    by_host = {}
+    for rank in ranks:
+        by_host.setdefault(hosts[rank], []).append(rank)
+    return f"rank{'s' if len(ranks) > 1 else ''} " + ", ".join(f"{spans(on)} on {host}" for host, on in by_host.items())
+
+
+def spans(numbers):
+    """'0-7, 9, 12-13' of ascending integers."""
+    runs = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def first_present(root, names, what):
     """root/NAME for the first of names that exists, else a DatasetError saying what was looked for."""
     for name in names:
@@ -99,32 +177,78 @@ def either(names):
     return " or ".join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else names[0]
 
 
-def csv_datasets(root, train_transform, val_transform, loader):
-    """The train and val sets a CSV root lists: train.csv and the first of val.csv, valid.csv and test.csv."""
+def csv_datasets(root, train_transform, val_transform, loader, allow_outside=False):
+    """The train and val sets a CSV root lists: train.csv and the first of val.csv, valid.csv and test.csv; rank 0
+    warns of images listed in both. allow_outside (data.csv_allow_outside): accept paths outside root."""
     train_csv = root / "train.csv"
     val_csv = first_present(root, [f"{name}.csv" for name in VAL_NAMES], "beside train.csv")
-    train_set = csv_dataset(train_csv, train_transform, loader)
-    return train_set, csv_dataset(val_csv, val_transform, loader, train_set.classes,
-                                  f"has no training images in {train_csv}")
+    train_set = csv_dataset(train_csv, train_transform, loader, allow_outside=allow_outside)
+    val_set = csv_dataset(val_csv, val_transform, loader, train_set.classes, f"has no training images in {train_csv}",
+                          allow_outside)
+    trained = {path for path, _ in train_set.samples}  # normalised, as csv_dataset lists them
+    shared = [path for path, _ in val_set.samples if path in trained]
+    if shared and RANK == 0:
+        LOGGER.warning(f"{colorstr('data:')} {len(shared)} of the {len(val_set)} images of {val_csv.name} are also "
+                       f"in {train_csv.name} (e.g. {os.path.relpath(shared[0], root)}): val scores them after "
+                       f"training on them; list each image in one of the two")
+    return train_set, val_set
 
 
-def csv_dataset(csv_file, transform, loader, classes=None, unknown_means=""):
-    """A ListedImages of a path,label CSV (paths relative to its folder). Its classes are its sorted labels (as
-    ImageFolder sorts folders), or the given ones, where a label not among them is an error ending in unknown_means.
-    A bad row or a missing file is a DatasetError naming the CSV and the line."""
+def csv_dataset(csv_file, transform, loader, classes=None, unknown_means="", allow_outside=False):
+    """A ListedImages of a path,label CSV (paths relative to its folder, which they may not leave unless
+    allow_outside). Its classes are its sorted labels (as ImageFolder sorts folders), or the given ones, where a
+    label not among them is an error ending in unknown_means. A bad row, a missing file or an image listed with two
+    labels is a DatasetError naming the CSV and the line; rank 0 warns of an image listed twice with one label."""
     rows = csv_rows(csv_file)
+    names = [os.path.normpath(path) for _, path, _ in rows]  # as compared: ./a.png, a//b.png are a.png, a/b.png
+    if not allow_outside:
+        check_inside(csv_file, rows, names)
     classes = sorted({label for _, _, label in rows}) if classes is None else list(classes)
     index, folder = {name: i for i, name in enumerate(classes)}, csv_file.parent
     for line, _, label in rows:
         if label not in index:
             raise DatasetError(f"{csv_file}, line {line}: label {label!r} {unknown_means}")
-    samples = [(os.path.join(folder, path), index[label]) for _, path, label in rows]
+    repeats = repeated_rows(csv_file, rows, names)
+    samples = [(os.path.join(folder, name), index[label]) for name, (_, _, label) in zip(names, rows)]
     missing = [(line, path) for (line, path, _), (full, _) in zip(rows, samples) if not os.path.isfile(full)]
     if missing:
         (line, path), more = missing[0], f" ({len(missing)} of its {len(rows)} files are missing)"
         raise DatasetError(f"{csv_file}, line {line}: {path}: no such file{more if len(missing) > 1 else ''}; paths "
                            f"are relative to the CSV's folder, {folder}")
+    if repeats and RANK == 0:
+        first, line, path = repeats[0]
+        LOGGER.warning(f"{colorstr('data:')} {csv_file}: {len(repeats)} row(s) list an image again with the same label "
+                       f"(e.g. {path}, lines {first} and {line}); each image counts as often as it is listed")
     return ListedImages(folder, samples, classes, transform, loader, csv_file.stem)
+
+
+def check_inside(csv_file, rows, names):
+    """Refuse rows whose path (normalised: names) leaves the CSV's folder, by '..' or from the filesystem's root: a
+    list is read from where it lies unless the recipe says otherwise."""
+    leaving = (os.sep, os.pardir + os.sep)
+    outside = [i for i, name in enumerate(names) if name.startswith(leaving) or name == os.pardir]
+    if outside:
+        (line, path, _), more = rows[outside[0]], f" ({len(outside)} of its {len(rows)} paths are)"
+        raise DatasetError(f"{csv_file}, line {line}: {path} lies outside the CSV's folder, {csv_file.parent}"
+                           f"{more if len(outside) > 1 else ''}; list images inside it, or set "
+                           f"data.csv_allow_outside=true to read paths outside it")
+
+
+def repeated_rows(csv_file, rows, names):
+    """[(first line, line, path)] of the rows that list an image (by its normalised path: names) again with the same
+    label; one listed with two labels is a DatasetError naming both lines."""
+    first, repeats = {}, []
+    if len(set(names)) == len(names):  # the common case, in a fraction of the loop's time
+        return repeats
+    for (line, path, label), name in zip(rows, names):
+        seen_line, seen_path, seen_label = first.setdefault(name, (line, path, label))
+        if seen_line == line:
+            continue
+        if seen_label != label:
+            raise DatasetError(f"{csv_file}: line {seen_line} labels {seen_path} {seen_label!r} and line {line} "
+                               f"labels {path} {label!r}; an image has one label: remove one of the rows")
+        repeats.append((seen_line, line, path))
+    return repeats
 
 
 def csv_rows(csv_file):

@@ -195,3 +195,30 @@ def test_resnet18_cifar_stem_keeps_32x32():
     with torch.no_grad():
         model(torch.randn(1, 3, 32, 32))
     assert shapes == {"layer1": (32, 32), "layer4": (4, 4)}
+
+
+class RunsCode:
+    """What a hostile pickle holds: an object whose unpickling calls os.system."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("name", CIFAR)
+def test_a_pickle_that_would_run_code_is_refused_and_nothing_runs(tmp_path, name):
+    root = write_cifar_standin(tmp_path, name, 2, 1)
+    folder = root / CIFAR[name]["base_folder"]
+    test_file, marker = folder / ("test_batch" if name == "cifar10" else "test"), tmp_path / "ran"
+    content = read_pickle(test_file)
+    test_file.write_bytes(pickle.dumps({**content, "note": RunsCode(marker)}, protocol=2))
+    with pytest.raises(DatasetError) as e:
+        cifar_dataset(name, False, None, root)
+    assert str(e.value).startswith(f"{test_file}: not a readable CIFAR file (it asks for posix.system, which CIFAR's "
+                                   f"files never hold; refused, nothing run); replace it: download {URLS[name]}")
+    assert not marker.exists()
+    test_file.write_bytes(pickle.dumps(content, protocol=2))  # the same content, arrays and all, reads back
+    assert len(cifar_dataset(name, False, None, root)) == len(content["data"])

@@ -4,6 +4,8 @@ data.val_split, the split saved with the run and reused by a resume and by val.p
 Class names stay as spelled; images of any mode decode as a person sees them."""
 
 import csv
+import os
+import socket
 import json
 import shutil
 from collections import Counter
@@ -366,3 +368,53 @@ def test_exif_orientation_turns_the_image_upright_in_training_val_and_predict(tm
         assert torch.equal(cached[i][0], expected)
         assert torch.equal(predict.ImageFiles([path], lambda im: torch.from_numpy(np.array(im)).permute(2, 0, 1)
                                               )[0][0], expected)
+
+
+def test_csv_paths_outside_its_folder_are_refused_unless_the_recipe_allows_them(tmp_path):
+    root = csv_root(tmp_path / "data")
+    outside = write_images(tmp_path / "elsewhere", "hot dog", 1)[0]
+    train_csv = root / "train.csv"
+    rows = list(csv.reader(open(train_csv, encoding="utf-8")))[1:]
+    for path in ("../elsewhere/000.png", str(outside), "images/../../elsewhere/000.png"):
+        write_csv(train_csv, [*rows, (path, "hot dog")])
+        with pytest.raises(DatasetError) as e:
+            build_datasets(root, None, None)
+        assert str(e.value) == (f"{train_csv}, line {len(rows) + 2}: {path} lies outside the CSV's folder, {root}; "
+                                f"list images inside it, or set data.csv_allow_outside=true to read paths outside it")
+        train_set, _ = build_datasets(root, None, None, allow_outside=True)
+        assert train_set.samples[-1] == (str(outside), 1) or os.path.samefile(train_set.samples[-1][0], outside)
+    write_csv(train_csv, [*rows, ("images/./train0//000.png", "crème brûlée")])  # inside, spelled oddly: a repeat
+    assert len(build_datasets(root, None, None)[0]) == len(rows) + 1
+
+
+def test_csv_an_image_listed_with_two_labels_is_refused_and_repeats_and_overlap_are_counted(tmp_path, log):
+    root = csv_root(tmp_path / "data")
+    train_csv, val_csv = root / "train.csv", root / "val.csv"
+    rows = list(csv.reader(open(train_csv, encoding="utf-8")))[1:]
+    write_csv(train_csv, [*rows, ("./" + rows[1][0], "hot dog")])
+    with pytest.raises(DatasetError) as e:
+        build_datasets(root, None, None)
+    assert str(e.value) == (f"{train_csv}: line 3 labels {rows[1][0]} 'crème brûlée' and line {len(rows) + 2} "
+                            f"labels ./{rows[1][0]} 'hot dog'; an image has one label: remove one of the rows")
+    write_csv(train_csv, [*rows, rows[1], rows[2]])
+    val_rows = list(csv.reader(open(val_csv, encoding="utf-8")))[1:]
+    write_csv(val_csv, [*val_rows, rows[0], rows[7]])
+    train_set, val_set = build_datasets(root, None, None)
+    assert (len(train_set), len(val_set)) == (len(rows) + 2, len(val_rows) + 2)
+    assert (f"{train_csv}: 2 row(s) list an image again with the same label (e.g. {rows[1][0]}, lines 3 and "
+            f"{len(rows) + 2}); each image counts as often as it is listed") in log.text
+    assert (f"2 of the {len(val_rows) + 2} images of val.csv are also in train.csv (e.g. {rows[0][0]}): val scores "
+            f"them after training on them; list each image in one of the two") in log.text
+
+
+def test_ranks_that_list_different_images_stop_with_one_line_naming_them(tmp_path):
+    root = split_folders(tmp_path / "data", "val")
+    # tests/split_ranks.py: rank 1 cannot list hot dog/005.png (a copy that lags, a file added during start-up).
+    result = run_torchrun("tests/split_ranks.py", tmp_path, "train.py", *TRAIN_ARGS, f"data.name={root}",
+                          f"project={tmp_path / 'runs'}")
+    host = socket.gethostname()
+    assert result.returncode != 0 and not (tmp_path / "runs").exists()
+    assert (f"train.py: error: {root}: the ranks list different images: rank 0 on {host}: 12 / 6 images (train / "
+            f"val), 2 classes; rank 1 on {host}: 11 / 6 images (train / val), 2 classes; every machine needs the same "
+            f"copy of the dataset") in result.stderr
+    assert result.stderr.count("train.py: error:") == 1

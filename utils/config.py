@@ -61,6 +61,7 @@ class DataConfig:
     drop_last: bool = False  # train: drop each epoch's last partial global batch (so no step sees a batch of one)
     skip_corrupt: bool = False  # check each image once first (in parallel, cached next to the data); skip unreadable ones
     val_split: float = 0.0  # a root of class folders with no split: the share held out for val (stratified, seeded, saved with the run)
+    csv_allow_outside: bool = False  # train.csv and val.csv: also read paths that leave the CSV's folder ('..', absolute paths)
     sampler: str = "shuffle"  # train order: shuffle (every image once an epoch) or balanced (each class equally often)
 
 
