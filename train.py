@@ -33,7 +33,8 @@ from models import build_model, check_input_size, check_model_name, start_from
 from models.pretrained import fine_tuning, follow_weights, freeze_batchnorm
 from utils.checkpoint import restore, save_state
 from utils.config import Recipe
-from utils.distributed import cleanup_distributed, exit_on_error, keep_ranks_in_step, setup_distributed
+from utils.distributed import (cleanup_distributed, exit_on_error, keep_ranks_in_step, setup_distributed,
+                               stop_if_another_rank_failed)
 from utils.general import LOGGER, RANK, WORLD_SIZE, SharedError, UsageError, colorstr
 from utils.loggers import WRONG_SHOWN, RunLogger, epoch_summary
 from utils.metrics import EpochLoss, evaluate, evaluate_ema
@@ -114,9 +115,14 @@ def main(argv=None):
                 vote.device = select_device(cfg.device)
                 set_device(vote.device)
                 best = train(cfg, vote, autocast_dtype(cfg.train.precision, vote.device), run_dir, resume)
+            except UsageError as e:  # said while this rank is still in the group, where the others find it
+                exit_on_error("train.py", e)
+            except Exception:
+                stop_if_another_rank_failed("train.py")  # a collective broken by a rank that failed and left
+                raise
             finally:
                 cleanup_distributed()
-    except UsageError as e:
+    except UsageError as e:  # met before the group was joined
         exit_on_error("train.py", e)
     if best is None:  # the ranks stopped together on a signal, after saving last.pt
         sys.exit(128 + (vote.signal or signal.SIGTERM))

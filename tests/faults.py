@@ -11,6 +11,7 @@ it started (1-based; see StopVote):
                              scheduler's preemption or a Ctrl-C in the terminal does
     kill-rank-at-step:S:R    on torchrun's first attempt only, rank R SIGKILLs itself during step S
     nan-loss-at-step:S:R     rank R's training loss is nan in its S-th step
+    low-memory-on-rank:R:MB  rank R's machine seems to have MB MiB of memory available, and no cgroup limit
 """
 
 import errno
@@ -18,6 +19,7 @@ import os
 import runpy
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -25,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import utils.checkpoint  # noqa: E402
+import utils.memory  # noqa: E402
 import utils.stopping  # noqa: E402
 from utils.general import RANK, RESTART_COUNT  # noqa: E402
 
@@ -104,9 +107,17 @@ def nan_loss_at_step(s, rank):
     torch.nn.CrossEntropyLoss.forward = forward
 
 
+def low_memory_on_rank(rank, mib):
+    if RANK == int(rank):
+        meminfo = Path(tempfile.mkdtemp()) / "meminfo"
+        meminfo.write_text(f"MemTotal: {4 * int(float(mib) * 1024)} kB\nMemAvailable: {int(float(mib) * 1024)} kB\n")
+        utils.memory.memory_budget.__defaults__ = (str(meminfo), "/nonexistent", "/nonexistent", None)
+
+
 FAULTS = {"killpg-after-save": on_save(save_then_killpg), "killpg-in-save": on_save(killpg_before_rename),
           "enospc-in-save": on_save(fail_with_enospc), "signal-at-step": on_step(send_signal),
-          "kill-rank-at-step": on_step(kill_rank), "nan-loss-at-step": nan_loss_at_step}
+          "kill-rank-at-step": on_step(kill_rank), "nan-loss-at-step": nan_loss_at_step,
+          "low-memory-on-rank": low_memory_on_rank}
 
 if __name__ == "__main__":
     name, *args = sys.argv[1].split(":")

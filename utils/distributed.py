@@ -1,7 +1,11 @@
-"""The process group torchrun describes: joining and leaving it, and the collectives every rank calls together."""
+"""The process group torchrun describes: joining and leaving it, the collectives every rank calls together, and
+how an error met by one rank reaches the user and ends the others."""
 
+import json
 import os
+import socket
 import sys
+import threading
 import uuid
 from contextlib import contextmanager
 from datetime import timedelta
@@ -17,16 +21,104 @@ from utils.torch_utils import TORCH_MINIMUM, check_version, de_parallel
 # How long a rank waits at a collective for the others. No rank works alone for long (validation and data checks are
 # shared, rank 0 only saves), so a rank that waits this long waits for one that is stuck.
 DIST_TIMEOUT = timedelta(minutes=10)
+HOST = socket.gethostname()
+# A rank that sees another rank's failure in the store gives its own error (the same one, when every rank meets it)
+# this long to surface first; an error met by every rank together surfaces on all of them well within it.
+FAILURE_GRACE_S = 3.0
+FAILURE_POLL_S = 0.5  # how often each rank looks for another rank's failure in the store
+# This launch attempt's name and store, the event that stops watch_failures, and the lock held by the one thread
+# (the main one, or watch_failures) that says how this process ends; set when the process group is joined.
+_job = {"token": None, "store": None, "stop": threading.Event(), "said": threading.Lock()}
 
 
 def exit_on_error(script, error):
-    """Report a UsageError as one line and exit with code 2: a SharedError (the same on every rank) once, by rank
-    0, another by the rank that met it, named. Recorded for torchrun, whose summary then names the cause."""
-    if RANK == 0 or not isinstance(error, SharedError):
-        prefix = "" if isinstance(error, SharedError) or WORLD_SIZE == 1 else f"[rank {RANK}] "
-        print(f"{prefix}{script}: error: {error_line(error)}", file=sys.stderr)
-        get_error_handler().record_exception(error)
+    """End this rank on a UsageError with code 2 and one line: rank 0 says its own; another rank says its own, naming
+    itself and its machine, unless rank 0 met the same (an error every rank meets is said once). Under torchrun the
+    error is first recorded in the job's store, where every other rank finds it (watch_failures)."""
+    line, store = error_line(error), _job["store"]
+    if store is None:  # one process, or an error met before the process group was joined
+        if RANK == 0 or not isinstance(error, SharedError):
+            say(f"{script}: error: {line}" if RANK == 0 else f"{script}: error: rank {RANK} on {HOST}: {line}")
+        sys.exit(2)
+    record_failure(store, line)
+    if RANK == 0:
+        say(f"{script}: error: {line}")
+    elif failure_line(store, 0, FAILURE_GRACE_S) != line:
+        say(f"{script}: error: rank {RANK} on {HOST}: {line}")
     sys.exit(2)
+
+
+def stop_if_another_rank_failed(script):
+    """After an unexpected error (a collective broken by a rank that left): if another rank recorded its failure,
+    end this rank with code 2 and the line that names it, rather than a traceback of the broken collective."""
+    first = first_failure(_job["store"])
+    if first is not None and first != RANK:
+        say_stopped(script, first)
+        sys.exit(2)
+
+
+def record_failure(store, line):
+    """Put this rank's error line in the job's store, and this rank as the first that failed unless one was."""
+    try:
+        store.set(f"error/{RANK}", json.dumps({"host": HOST, "line": line}))
+        store.compare_set("first", "", str(RANK))
+    except Exception:  # the store's host is gone: the job is ending, and this rank still says its line
+        pass
+
+
+def first_failure(store):
+    """The rank that recorded the job's first failure, or None."""
+    try:
+        return int(store.get("first")) if store is not None and store.check(["first"]) else None
+    except Exception:
+        return None
+
+
+def failure_line(store, rank, wait_s=0.0):
+    """The error line rank recorded, waiting up to wait_s for it; None if it records none."""
+    for _ in range(int(wait_s / 0.05) + 1):
+        try:
+            if store.check([f"error/{rank}"]):
+                return json.loads(store.get(f"error/{rank}"))["line"]
+        except Exception:
+            return None
+        threading.Event().wait(0.05)
+    return None
+
+
+def say_stopped(script, first):
+    """This rank's line on ending for another rank's failure: rank 0 repeats that rank's error, naming it and its
+    machine (the line the user reads), any other rank names it."""
+    try:
+        failed = json.loads(_job["store"].get(f"error/{first}"))
+    except Exception:
+        failed = {"host": "its machine", "line": "its error did not reach this rank"}
+    if RANK == 0:
+        say(f"{script}: error: rank {first} on {failed['host']}: {failed['line']}")
+    else:
+        say(f"{script}: rank {RANK} on {HOST} stopped: rank {first} on {failed['host']} failed")
+
+
+def say(text):
+    """Print this process's last line, once (the main thread and watch_failures may both come to it), and record it
+    for torchrun, whose summary then names the cause."""
+    if _job["store"] is None or _job["said"].acquire(blocking=False):
+        print(text, file=sys.stderr, flush=True)
+        get_error_handler().record_exception(SharedError(text))
+
+
+def watch_failures(script, store, stop):
+    """Until stop is set (the process group is left): once another rank records a failure, give this rank's own
+    error FAILURE_GRACE_S to surface, then say the failed rank and end this process, wherever its main thread waits
+    (a collective with a rank that left can wait until DIST_TIMEOUT)."""
+    while not stop.wait(FAILURE_POLL_S):
+        first = first_failure(store)
+        if first is None:
+            continue
+        if first == RANK or stop.wait(FAILURE_GRACE_S) or _job["said"].locked():
+            return
+        say_stopped(script, first)
+        os._exit(2)
 
 
 def distributed_backend(cuda_available, share_one_gpu=SHARE_ONE_GPU):
@@ -46,10 +138,11 @@ def setup_distributed():
     if WORLD_SIZE > 1 and not dist.is_initialized():
         dist.init_process_group(backend=distributed_backend(torch.cuda.is_available()), timeout=DIST_TIMEOUT,
                                 **restart_store())
-        _job["token"] = broadcast_object(uuid.uuid4().hex)
-
-
-_job = {"token": None}  # this launch's (and restart attempt's) own name in the store, drawn by rank 0 at set-up
+        _job["token"] = broadcast_object(uuid.uuid4().hex)  # this attempt's own name in the store, drawn by rank 0
+        _job["store"] = job_store()
+        _job["stop"], _job["said"] = threading.Event(), threading.Lock()
+        threading.Thread(target=watch_failures, args=(os.path.basename(sys.argv[0]), _job["store"], _job["stop"]),
+                         name="watch_failures", daemon=True).start()
 
 
 def job_store():
@@ -77,7 +170,8 @@ def restart_store():
 
 
 def cleanup_distributed():
-    """Leave the process group, if any."""
+    """Leave the process group, if any (the job's store stays, for exit_on_error to record an error in)."""
+    _job["stop"].set()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -1,0 +1,70 @@
+"""An error that one rank meets alone, on any machine, reaches the user: one line naming the rank and machine, on
+that machine's console and on rank 0's; every other rank stops promptly with a line naming the failed rank. Launched
+as two torchrun "nodes" on this machine (static rendezvous: node 1 holds ranks 2 and 3), as a job across two
+machines is."""
+
+import socket
+import subprocess
+import sys
+
+from conftest import ROOT, clean_env, make_image_folder
+from test_resume import free_port
+
+HOST = socket.gethostname()
+RECIPE = ["--recipe", "cls.yaml", "train.epochs=1", "train.batch_size=4", "model.width=4", "data.workers=0"]
+
+
+def two_nodes(tmp_path, args, node1_args, node1_fault=None):
+    """train.py on two torchrun agents of two processes each (ranks 0-1 on node 0, 2-3 on node 1), node 1 with
+    node1_args added and run through tests/faults.py with node1_fault; [(exit code, output)] of each agent."""
+    port = free_port()
+    nodes = []
+    for node in (0, 1):
+        script = ["tests/faults.py", node1_fault, "train.py"] if node and node1_fault else ["train.py"]
+        nodes.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=2",
+             "--master-addr=127.0.0.1", f"--master-port={port}", *script, *args,
+             *(node1_args if node else []), f"project={tmp_path / 'runs'}"], cwd=ROOT, env=clean_env(),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return [(node.wait(timeout=240), node.stdout.read()) for node in nodes]
+
+
+def error_lines(output):
+    return [line for line in output.splitlines() if "train.py: error:" in line or " stopped: rank " in line]
+
+
+def assert_reported(nodes, failed_rank, line):
+    """The failed rank's line on both consoles, once each; every other rank's 'stopped' line on its own; exit 2."""
+    said = f"train.py: error: rank {failed_rank} on {HOST}: {line}"
+    (code0, out0), (code1, out1) = nodes
+    assert code0 != 0 and code1 != 0, out0[-3000:] + out1[-3000:]
+    stopped = {rank: f"train.py: rank {rank} on {HOST} stopped: rank {failed_rank} on {HOST} failed"
+               for rank in range(4) if rank not in (0, failed_rank)}
+    assert sorted(error_lines(out0)) == sorted([said, *(stopped[r] for r in (1,) if r in stopped)]), out0[-3000:]
+    assert sorted(error_lines(out1)) == sorted([said, *(stopped[r] for r in (2, 3) if r in stopped)]), out1[-3000:]
+    assert "]: Traceback" not in out0 + out1  # no rank's traceback of a collective broken by the failed rank
+
+
+def test_an_unwritable_jpeg_cache_dir_on_one_machine_reaches_both_consoles(tmp_path):
+    data = make_image_folder(tmp_path / "data", {"train": {"a": 6, "b": 6}, "val": {"a": 2, "b": 2}})
+    (tmp_path / "a_regular_file").write_text("")
+    bad = tmp_path / "a_regular_file" / "cache"
+    nodes = two_nodes(tmp_path, [*RECIPE, f"data.name={data}", "data.cache=jpeg", f"data.cache_dir={tmp_path / 'ok'}"],
+                      [f"data.cache_dir={bad}"])
+    (_, out0), (_, out1) = nodes
+    line = next(line for line in error_lines(out1) if "error" in line).split(f"on {HOST}: ", 1)[-1]
+    assert line.startswith(f"data.cache=jpeg: cannot write {bad}"), out1[-3000:]
+    assert_reported(nodes, 2, line)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*.pt"))
+
+
+def test_a_ram_cache_over_one_machines_budget_reaches_both_consoles(tmp_path):
+    data = make_image_folder(tmp_path / "data", {"train": {"a": 6, "b": 6}, "val": {"a": 2, "b": 2}}, size=64)
+    # Node 1's rank 3 sees a machine with 1 MiB available: its cache of 12 64x64 images (147 KiB) is over its
+    # budget (80% of 1 MiB over the machine's 2 processes: 410 KiB) once val's and train's are both held.
+    nodes = two_nodes(tmp_path, [*RECIPE, f"data.name={data}", "data.cache=ram", "data.img_size=64"], [],
+                      "low-memory-on-rank:3:0.3")
+    (_, out0), (_, out1) = nodes
+    line = next(line for line in error_lines(out1) if "error" in line).split(f"on {HOST}: ", 1)[-1]
+    assert line.startswith("data.cache=ram: ") and "more than this process's budget" in line, out1[-3000:]
+    assert_reported(nodes, 3, line)
