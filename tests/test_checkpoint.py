@@ -3,6 +3,7 @@
 import errno
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -11,7 +12,9 @@ from omegaconf import OmegaConf
 import train
 import utils.checkpoint
 import utils.run
+from conftest import make_image_folder, run_torchrun
 from models import build_model
+from test_resume import RECIPE, assert_same_run, free_port
 from utils.checkpoint import load_checkpoint, restore, save_checkpoint, save_state
 from utils.config import load_recipe
 from utils.general import SharedError, UsageError
@@ -180,14 +183,41 @@ def test_resume_refuses_a_checkpoint_that_is_not_the_runs_latest_state(tmp_path,
     assert load_checkpoint(weights / "last.pt")["step"] == 4  # nothing was overwritten
 
 
-def test_a_static_rendezvous_restart_never_takes_another_jobs_run(tmp_path, monkeypatch):
-    # Under --master-addr/--master-port without --rdzv-id, every torchrun job's run id is 'none'.
+def test_a_restart_never_takes_a_run_whose_id_is_the_bare_static_one(tmp_path, monkeypatch):
+    # Under --master-addr/--master-port without --rdzv-id, every torchrun job's run id is 'none'; runs made before
+    # job_id() told static jobs apart hold just that.
     monkeypatch.setattr(utils.run, "RUN_ID", "none")
     other = tmp_path / "exp"
     (other / "weights").mkdir(parents=True)
-    (other / ".torchrun_id").write_text("none")  # written by another static job before this fix
+    (other / ".torchrun_id").write_text("none")
     assert read_restarted_run(tmp_path, "exp") == (None, None, None)
-    cfg = load_recipe("cls.yaml", [f"project={tmp_path}"])
-    ours = make_run_dir(cfg)
+    ours = make_run_dir(load_recipe("cls.yaml", [f"project={tmp_path}"]))
     assert ours.name == "exp2" and (ours / ".torchrun_id").read_text() == f"none:{os.uname().nodename}:{os.getppid()}"
-    assert read_restarted_run(tmp_path, "exp") == (str(ours), None, None)  # this launch's own restart finds it
+
+
+def test_a_static_rendezvous_restart_continues_its_own_run_not_another_static_jobs(tmp_path):
+    # Two torchrun jobs under static rendezvous (--master-addr/--master-port, no --rdzv-id: both have the run id
+    # 'none') train the same recipe in one project. The first finishes in exp; torchrun restarts the second's workers
+    # after rank 1 dies in epoch 2, while exp looks the newest run there (as when the other job is still writing).
+    data = make_image_folder(tmp_path / "data", {"train": {"a": 9, "b": 8}, "val": {"a": 3, "b": 4}})
+    project = tmp_path / "runs"
+    args = ["train.py", *RECIPE, f"data.name={data}", f"project={project}"]
+    assert static_torchrun(*args).returncode == 0
+    other = project / "exp"
+    finished = {name: (other / name).read_bytes() for name in ("results.csv", "weights/last.pt")}
+    later = time.time() + 3600
+    os.utime(other, (later, later))
+    # Rank 1's 8th vote is at step 2 of epoch 2, just after that epoch's mid-epoch save at step 1 (see test_resume).
+    result = static_torchrun("--max-restarts=1", "tests/faults.py", "kill-rank-at-step:8:1", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ours = project / "exp2"
+    assert f"torchrun restart 1: continuing {ours} from {ours / 'weights' / 'last.pt'}" in result.stdout
+    assert "resuming at epoch 2, step 1" in result.stdout
+    assert sorted(p.name for p in project.iterdir()) == ["exp", "exp2"]
+    assert {name: (other / name).read_bytes() for name in finished} == finished
+    assert_same_run(ours, other)  # the same recipe uninterrupted: continued exactly where it was killed
+
+
+def static_torchrun(*args):
+    """torchrun with two processes under static rendezvous on this machine, as a job without --rdzv-id."""
+    return run_torchrun(*args, launcher=("--master-addr=127.0.0.1", f"--master-port={free_port()}", "--nnodes=1"))
