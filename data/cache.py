@@ -11,15 +11,21 @@ after their transforms, which are not random: exactly the per-image path's. Data
 tensor without copying it.
 
 Each process on a machine holds its own copy, so the memory budget (memory_budget) is the least of the memory
-available and the container's room, shared by the processes on the machine.
+available and the container's room, shared by the processes on the machine. Images are decoded straight into
+memory reserved for that budget, a few chunks at a time, so building a cache takes the memory of its pixels, not a
+second copy (decode_all).
 
 batch_to moves either cache's batches to the training device; the JPEG cache's (data/jpeg_cache.py) are decoded and
 cropped by decode_crop, here beside it.
 """
 
 import math
+import mmap
 import warnings
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
+from itertools import islice
 
 import numpy as np
 import torch
@@ -50,15 +56,14 @@ class RamImages(Dataset):
         self.samples = getattr(source, "samples", None)  # image files, where the source has them
         self.targets = torch.as_tensor(source.targets, dtype=torch.int64)
         store = store_transform(spec) if spec is not None else None
-        sizes, images = decode_all(source, transform, store, memory_budget() if budget == MEASURE else budget, used)
-        self.stored = torch.tensor([image.shape[1:] for image in images], dtype=torch.int64).view(-1, 2)
+        sizes, self.stored, self.pixels, self.offsets = decode_all(
+            source, transform, store, memory_budget() if budget == MEASURE else budget, used)
         # crop_params draws on the size the per-image path crops: the original image's, or for padded crops the
         # resized one, which is the stored one.
-        self.sizes = torch.tensor(sizes, dtype=torch.int64).view(-1, 2) if spec and not spec.padding else self.stored
-        self.channels = images[0].shape[0] if images else 3
+        self.sizes = sizes if spec and not spec.padding else self.stored
+        self.channels = int(self.offsets[1] // self.stored[0].prod()) if len(self.stored) else 3
         self.edge = spec is not None and not spec.padding  # see gather
-        self.pixels, self.offsets = pack(images)
-        uniform = len(images) and bool((self.stored == self.stored[0]).all())
+        uniform = len(self.stored) and bool((self.stored == self.stored[0]).all())
         self.images = self.pixels.view(-1, self.channels, *self.stored[0].tolist()) if uniform else None
         self.scales = (self.stored / self.sizes).float()  # (N, 2): stored over drawn size, per axis (y, x)
 
@@ -158,39 +163,76 @@ def per_image(dataset):
 
 
 def decode_all(source, transform, store, budget, used=0):
-    """(sizes, images): every image of source as a uint8 (C, H, W) tensor, after transform and store, and its
-    (height, width) before store; decoded by a thread per core (decoders release the GIL); an unreadable image
-    raises the loader's error, which names it. Stops as soon as used + the images decoded so far outgrow budget,
-    before the machine runs out."""
+    """(sizes, stored, pixels, offsets) of every image of source as uint8 (C, H, W) pixels, after transform and
+    store: its (N, 2) (height, width) before store and after, and all its pixels in one flat uint8 tensor, image i at
+    offsets[i]:offsets[i + 1]. With a budget, images are written straight into memory reserved for all of it, so
+    the cache takes its pixels' size and a few chunks of images in flight; without one (not Linux), they are joined
+    at the end, which takes twice that for a moment. An unreadable image raises the loader's error, which names it.
+    Stops as soon as used + the images decoded so far outgrow budget, before the machine runs out."""
+    sizes, stored = np.zeros((len(source), 2), np.int64), np.zeros((len(source), 2), np.int64)
+    offsets = np.zeros(len(source) + 1, np.int64)
+    room = None if budget is None else max(int(budget.nbytes - used), 0)
+    buffer = reserve(room) if room else None
+    out = torch.frombuffer(buffer, dtype=torch.uint8) if buffer is not None else None
+    parts = []
+    with closing(decoded(source, transform, store)) as images:
+        for i, (size, image) in enumerate(images):
+            sizes[i], stored[i], end = size, image.shape[1:], offsets[i] + image.numel()
+            if room is not None and end > room:
+                before = f", {size_text(end + used)} with the {size_text(used)} cached before them" if used else ""
+                raise too_big(f"the first {i + 1} of {len(source)} images take {size_text(end)}{before}", budget)
+            if out is not None:
+                out[offsets[i] : end].view(image.shape).copy_(image)
+            else:
+                parts.append(image.reshape(-1))  # a copy where the decoder left channels last
+            offsets[i + 1] = end
+    return torch.from_numpy(sizes), torch.from_numpy(stored), filled(buffer, parts, int(offsets[-1])), offsets
+
+
+def decoded(source, transform, store, chunk=16):
+    """Every image of source as ((height, width) before store, uint8 (C, H, W) tensor after it), in order; decoded
+    in chunks of images by a thread per core (decoders release the GIL), two chunks a thread in flight at most, so
+    decoded images waiting to be stored take a bounded amount of memory whatever the data set's size."""
     def load(i):
         image = source[i][0]
         image = transform(image) if transform else image
         size = tuple(v2.functional.get_size(image))
         image = store(image) if store else image
         return size, v2.functional.to_image(image).as_subclass(torch.Tensor)
-    sizes, images, nbytes = [], [], used
-    with ThreadPoolExecutor(cpu_count()) as pool:
-        for size, image in pool.map(load, range(len(source))):
-            sizes.append(size)
-            images.append(image)
-            nbytes += image.nbytes
-            if budget is not None and nbytes > budget.nbytes:
-                pool.shutdown(cancel_futures=True)
-                before = f", {size_text(nbytes)} with the {size_text(used)} cached before them" if used else ""
-                raise too_big(f"the first {len(images)} of {len(source)} images take {size_text(nbytes - used)}"
-                              f"{before}", budget)
-    return sizes, images
+
+    def load_chunk(start):
+        return [load(i) for i in range(start, min(start + chunk, len(source)))]
+    threads = cpu_count()
+    starts = iter(range(0, len(source), chunk))
+    pool = ThreadPoolExecutor(threads)
+    try:
+        pending = deque(pool.submit(load_chunk, start) for start in islice(starts, 2 * threads))
+        while pending:
+            images = pending.popleft().result()
+            pending.extend(pool.submit(load_chunk, start) for start in islice(starts, 1))
+            yield from images
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
-def pack(images):
-    """(pixels, offsets): every image's pixels in one flat uint8 tensor, image i at offsets[i]:offsets[i + 1].
-    Each image is let go of (its list entry cleared) once copied, so memory holds little more than one copy."""
-    offsets = np.cumsum([0] + [image.numel() for image in images])
-    pixels = torch.empty(int(offsets[-1]), dtype=torch.uint8)
-    for i, image in enumerate(images):
-        pixels[offsets[i] : offsets[i + 1]].view(image.shape).copy_(image)
-        images[i] = None
-    return pixels, offsets
+def reserve(nbytes):
+    """nbytes of anonymous memory, private to this process and its forks (DataLoader workers read it without
+    copying), or None where the system will not reserve that much (strict overcommit). A page takes memory only
+    once written, so a cache reserves its whole budget and takes the size of what it stores."""
+    try:
+        return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    except OSError:
+        return None
+
+
+def filled(buffer, parts, nbytes):
+    """The flat uint8 tensor of the nbytes stored: buffer's start, the never written rest given back (without a
+    buffer, parts joined)."""
+    if buffer is None:
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    if nbytes:
+        buffer.resize(nbytes)  # shrinks in place (mremap): views of the start stay valid
+    return torch.frombuffer(buffer, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
 
 
 def too_big(what, budget):

@@ -25,8 +25,9 @@ from data.sampler import BalancedSampler, DistributedShuffleSampler, SeededSampl
 from data.transforms import train_transforms, val_transforms
 from data.verify import UNREADABLE, decode, unreadable_images, unreadable_reason
 from utils.checkpoint import run_dir_of
-from utils.distributed import on_rank0, torch_distributed_zero_first
-from utils.general import LOCAL_RANK, LOGGER, RANK, WORLD_SIZE, DatasetError, ImageError, colorstr, short_path
+from utils.distributed import on_rank0
+from utils.general import LOGGER, RANK, WORLD_SIZE, DatasetError, ImageError, colorstr, short_path
+from utils.waiting import once_per_machine
 
 
 def write_digits(root):
@@ -58,10 +59,12 @@ def dataset_root(name):
     """ImageFolder root for data.name: an embedded dataset (written once by local rank 0) or a user directory."""
     if name in EMBEDDED:
         root = utils.general.DATASETS_DIR / name  # read when called: tests point it elsewhere
-        with torch_distributed_zero_first(LOCAL_RANK):  # local rank 0 writes; the others wait, then read
+
+        def write():
             if not root.exists():
                 root.parent.mkdir(parents=True, exist_ok=True)
                 EMBEDDED[name](root)
+        once_per_machine("embedded", f"writing {root}", write)  # local rank 0 writes; the others wait, then read
         return root
     root = Path(name)
     if not root.is_dir():

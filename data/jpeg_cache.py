@@ -15,16 +15,32 @@ is written by one process per machine while the others wait, by a thread per cor
 once complete, and checked on every open (its size, image count and a CRC of its index): a truncated or stale file
 is rebuilt, never read.
 
-File layout: the images' bytes back to back, then the index (INDEX_DTYPE, one row per image), then a JSON header,
-then FOOTER: magic, index offset, header length, CRC-32 of index and header.
+Every process on a machine writes its file: they claim chunks of images from a counter in the job's store, encode
+them by a thread pool each (PIL decodes, resizes and encodes without the GIL) and write each chunk's bytes with
+os.pwrite at a region claimed from another counter, in one temporary file; local rank 0 gathers the index rows,
+writes index, header and footer, flushes and renames it. Processes wait on the writers' progress (utils/waiting.py),
+never on a clock or in a collective, and none goes on before every machine's file is complete. Each machine writes
+its own file under a temporary name of its own (host and a token), on a shared disk or not.
+
+The file checked is the one read: mapped once when checked (DataLoader workers inherit the mapping), so a file later
+renamed over its path changes nothing. Each image's bytes are checked against their CRC-32 as they are read: a
+damaged image stops the run naming the file, the image and its source, and the file is removed (when it is still the
+one mapped) so the next start rewrites it.
+
+File layout: the images' bytes back to back, then the index (INDEX_DTYPE, one row per image, with the CRC-32 of
+its bytes), then a JSON header, then FOOTER: magic, index offset, header length, CRC-32 of index and header.
 """
 
 import io
+import itertools
 import json
+import mmap
 import os
+import secrets
 import socket
 import struct
 import zlib
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from hashlib import sha256
 from pathlib import Path
@@ -36,18 +52,22 @@ from tqdm import tqdm
 
 from data.cache import decode_crop, seeded_crops, store_side, store_transform
 from data.transforms import crop_spec
-from utils.distributed import torch_distributed_zero_first
-from utils.general import LOCAL_RANK, LOGGER, DatasetError, colorstr, cpu_count, short_path
+from utils.distributed import job_store
+from utils.general import (LOCAL_RANK, LOCAL_WORLD_SIZE, LOGGER, RANK, WORLD_SIZE, DatasetError, ImageError, colorstr,
+                           cpu_count, short_path)
 from utils.memory import size_text
+from utils.waiting import done, finished, local_store, made, progress, wait_for
 
 QUALITY = 90  # JPEG quality of stored training images (FFCV's and DALI's usual)
 FULL_CHROMA_BELOW = 64  # images with a shorter side below this keep full-resolution colour (4:4:4), larger ones 4:2:0
-VERSION = 1  # of the file layout; part of the fingerprint, so a new layout never reads an old file
-MAGIC = b"CLSJPEG1"
+VERSION = 2  # of the file layout; part of the fingerprint, so a new layout never reads an old file
+MAGIC = b"CLSJPEG2"
 FOOTER = struct.Struct("<8sQQI")  # magic, index offset, header length, CRC-32 of index + header
 INDEX_DTYPE = np.dtype([("offset", "<u8"), ("nbytes", "<u8"), ("height", "<i4"), ("width", "<i4"),
-                        ("drawn_height", "<i4"), ("drawn_width", "<i4"), ("target", "<i8")])
-CHUNK = 1024  # images handed to the thread pool at a time: bounds the encoded images held before writing
+                        ("drawn_height", "<i4"), ("drawn_width", "<i4"), ("target", "<i8"), ("crc", "<u4")])
+CHUNK = 1024  # most images in a chunk claimed by one process: bounds the encoded images it holds before writing
+STAT_CHUNK = 4096  # files stat'ed between progress reports while listing the images
+CALLS = itertools.count()  # cache() calls of this process: every rank makes the same ones, in the same order
 
 
 class StaleCache(Exception):
@@ -66,16 +86,18 @@ class JpegImages(torch.utils.data.Dataset):
     on_device its JPEG bytes as a list of 1-D uint8 tensors with each sample's crop params for the epoch and the
     stored image's scale, for batch_to to decode and crop on the device; validation sets return the stored pixels."""
 
-    def __init__(self, source, path, header, index, spec=None, seed=0, on_device=False):
+    def __init__(self, source, path, header, index, mapped, spec=None, seed=0, on_device=False):
         self.classes, self.root, self.spec, self.seed, self.epoch = source.classes, source.root, spec, seed, 0
         self.samples = getattr(source, "samples", None)
         self.path, self.raw, self.channels, self.on_device = path, header["raw"], header["channels"], on_device
         self.offsets, self.nbytes_each = index["offset"].astype(np.int64), index["nbytes"].astype(np.int64)
+        self.crcs = index["crc"].copy()  # an array, not a list: 4 bytes an image
         self.targets = torch.from_numpy(index["target"].astype(np.int64))
         self.stored = torch.from_numpy(np.stack([index["height"], index["width"]], 1).astype(np.int64))
         self.sizes = torch.from_numpy(np.stack([index["drawn_height"], index["drawn_width"]], 1).astype(np.int64))
         self.scales = (self.stored / self.sizes).float()
-        self.file_bytes, self.data = path.stat().st_size, None
+        self.data, self.identity = mapped
+        self.file_bytes = self.identity[2]
 
     @property
     def nbytes(self):
@@ -86,12 +108,43 @@ class JpegImages(torch.utils.data.Dataset):
         """Choose the epoch whose crops the next batches draw."""
         self.epoch = epoch
 
+    def __getstate__(self):
+        return {**self.__dict__, "data": None}  # pickled for DataLoader workers of the spawn start method
+
+    def __setstate__(self, state):
+        """Re-map the file by path, refusing one that is not the file checked (another renamed over it since)."""
+        self.__dict__.update(state)
+        try:
+            self.data, identity = map_file(self.path)
+        except OSError as e:
+            raise ImageError(f"data.cache=jpeg: {self.path} cannot be read ({e.strerror or e}) since it was checked; "
+                             f"restart to check it again") from None
+        if identity != self.identity:
+            raise ImageError(f"data.cache=jpeg: {self.path} was replaced since it was checked (device, inode or size "
+                             f"differ); restart to check it again")
+
     def blob(self, i):
-        """Image i's stored bytes as a 1-D uint8 tensor (a copy: the mapping is read-only)."""
-        if self.data is None:  # mapped on first use, in the process (or DataLoader worker) that reads
-            self.data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        """Image i's stored bytes as a 1-D uint8 tensor (a copy: the mapping is read-only), checked against their
+        CRC-32 (see damaged)."""
         start = self.offsets[i]
-        return torch.from_numpy(np.array(self.data[start : start + self.nbytes_each[i]]))
+        data = np.array(self.data[start : start + self.nbytes_each[i]])
+        if zlib.crc32(data) != self.crcs[i]:
+            raise self.damaged(i)
+        return torch.from_numpy(data)
+
+    def damaged(self, i):
+        """The ImageError for image i's bytes not matching their CRC-32, after removing the file when its path
+        still names the file mapped (another process may have rewritten it already). data.skip_corrupt does not
+        apply: it drops unreadable source images before the file is written, and the file is rewritten instead."""
+        try:
+            info = os.stat(self.path)
+            if (info.st_dev, info.st_ino) == self.identity[:2]:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        source = self.samples[i][0] if self.samples is not None else f"{type(self).__name__} image {i}"
+        return ImageError(f"data.cache=jpeg: {self.path}: image {i} (from {source}) does not match its CRC-32: the "
+                          f"file is damaged; removed it, so the next start rewrites it")
 
     def __getitems__(self, ids):
         ids = np.asarray(ids, dtype=np.uint64)
@@ -130,33 +183,67 @@ def jpeg_datasets(train_source, val_source, cfg, seed, val_transform, device):
 
 
 def cache(source, role, form, transform, cfg):
-    """(path, header, index) of source's cache file for role (train or val) in form, written first where missing
-    or unusable; local rank 0 checks and writes while the other processes on the machine wait, then they check."""
-    path = cache_path(source, role, form, cfg.cache_dir)
-    with torch_distributed_zero_first():
+    """(path, header, index, mapped) of source's cache file for role (train or val) in form, written first where
+    missing or unusable by every process on the machine; returns once every machine's file is complete."""
+    store, machines = job_store() or local_store(), max(1, WORLD_SIZE // LOCAL_WORLD_SIZE)
+    job = f"jpeg/{next(CALLS)}/{role}"  # every machine's progress, and the first failure
+    work = f"{job}/machine{RANK // LOCAL_WORLD_SIZE}"
+    if LOCAL_RANK == 0:
+        path, tmp = plan(source, role, form, cfg.cache_dir, store, job, work)
+    else:
+        wait_for(store, f"{work}/plan", f"waiting for local rank 0 to list the {role} images")
+        path, tmp = (Path(p) if p else None for p in json.loads(store.get(f"{work}/path")))
+    if tmp is not None:
+        write_shared(source, path, tmp, form, transform, store, job, work)
+    if LOCAL_RANK == 0:
+        store.add(f"{job}/machines", 1)
+    wait_for(store, job, f"waiting for every machine's {role} cache file",
+             until=lambda: store.add(f"{job}/machines", 0) == machines)
+    try:
+        return (path, *open_cache(path, len(source)))
+    except StaleCache as e:
+        raise DatasetError(f"data.cache=jpeg: {path} is unusable after it was written ({e})") from None
+
+
+def plan(source, role, form, cache_dir, store, job, work):
+    """(path, temporary file or None) of source's cache file, as local rank 0 finds it (listing the images for their
+    fingerprint, with progress) and tells the machine's other processes; the temporary file is created empty, for
+    every process to write into, where the file is missing or unusable."""
+    try:
+        path, tmp = cache_path(source, role, form, cache_dir, lambda n: (made(store, f"{work}/plan", n),
+                                                                         made(store, job, n))), None
         try:
-            return (path, *open_cache(path, len(source)))
+            open_cache(path, len(source))
         except StaleCache as e:
-            if LOCAL_RANK != 0:
-                raise DatasetError(f"data.cache=jpeg: {path} is unusable after local rank 0 wrote it ({e})") from None
             if path.exists():
                 LOGGER.warning(f"data.cache=jpeg: rewriting {short_path(path)}: {e}")
-        write_cache(source, path, form, transform)
-        return (path, *open_cache(path, len(source)))
+            tmp = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{secrets.token_hex(4)}")
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp.touch(exist_ok=False)
+            except OSError as e:
+                raise write_error(path, e) from None
+        store.set(f"{work}/path", json.dumps([str(path), str(tmp) if tmp else None]))
+        done(store, f"{work}/plan")
+        return path, tmp
+    except Exception as e:
+        for key in (f"{work}/plan", job):
+            done(store, key, e)
+        raise
 
 
-def cache_path(source, role, form, cache_dir=""):
+def cache_path(source, role, form, cache_dir="", tick=lambda n: None):
     """Where source's cache file for role in form lives: in cache_dir, or beside the images' folder."""
     folder = Path(source.root)
-    fingerprint = sha256(json.dumps([VERSION, form, source.classes, image_list(source)]).encode()).hexdigest()
+    fingerprint = sha256(json.dumps([VERSION, form, source.classes, image_list(source, tick)]).encode()).hexdigest()
     side = "raw" if form["raw"] else f"{form['side']}px"
     name = f".{folder.name}-{role}-{side}-{fingerprint[:16]}.jpegcache"
     return (Path(cache_dir) if cache_dir else folder.parent) / name
 
 
-def image_list(source):
+def image_list(source, tick=lambda n: None):
     """What identifies source's images: each file's path, label, size and modification time (a file replaced in
-    place changes them); for datasets without files (CIFAR), their class and length."""
+    place changes them); for datasets without files (CIFAR), their class and length. tick(n) counts files done."""
     samples = getattr(source, "samples", None)
     if samples is None:
         return [type(source).__name__, str(source.root), len(source)]
@@ -164,77 +251,188 @@ def image_list(source):
     def stat(sample):
         info = os.stat(sample[0])
         return [str(sample[0]), int(sample[1]), info.st_size, info.st_mtime_ns]
+    listed = []
     with ThreadPoolExecutor(min(16, 4 * cpu_count())) as pool:  # stat waits on the disk, not the cores
-        return list(pool.map(stat, samples, chunksize=256))
+        for start in range(0, len(samples), STAT_CHUNK):
+            listed += pool.map(stat, samples[start : start + STAT_CHUNK], chunksize=256)
+            tick(len(listed) - start)
+    return listed
+
+
+def map_file(path):
+    """(a read-only uint8 array over path's bytes, its (device, inode, size)): the file as opened now, whatever is
+    renamed over its path later."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        info = os.fstat(fd)
+        mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if info.st_size else b""
+    finally:
+        os.close(fd)  # the mapping keeps the file
+    return np.frombuffer(mapping, dtype=np.uint8), (info.st_dev, info.st_ino, info.st_size)
 
 
 def open_cache(path, count):
-    """(header, index) of a complete cache file of count images; StaleCache says why it is not one."""
+    """(header, index, (data, identity)) of a complete cache file of count images, mapped (map_file); StaleCache
+    says why it is not one."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            if size < FOOTER.size:
-                raise StaleCache(f"{size} bytes, shorter than its footer: truncated")
-            f.seek(size - FOOTER.size)
-            magic, index_at, header_length, crc = FOOTER.unpack(f.read(FOOTER.size))
-            if magic != MAGIC:
-                raise StaleCache("no footer at its end: truncated, or not a cache file")
-            if index_at + header_length + FOOTER.size > size:
-                raise StaleCache("its footer points past its end")
-            f.seek(index_at)
-            tail = f.read(size - FOOTER.size - index_at)
+        data, identity = map_file(path)
     except FileNotFoundError:
         raise StaleCache("not written yet") from None
     except OSError as e:
         raise StaleCache(f"cannot be read ({e.strerror or e})") from None
+    size = len(data)
+    if size < FOOTER.size:
+        raise StaleCache(f"{size} bytes, shorter than its footer: truncated")
+    magic, index_at, header_length, crc = FOOTER.unpack(data[size - FOOTER.size :])
+    if magic != MAGIC:
+        raise StaleCache("no footer at its end: truncated, or not a cache file")
+    if index_at + header_length + FOOTER.size > size:  # Python integers: no wrap
+        raise StaleCache("its footer points past its end")
+    tail = data[index_at : size - FOOTER.size].tobytes()
     if zlib.crc32(tail) != crc:
         raise StaleCache("its index does not match its checksum")
     header = json.loads(tail[len(tail) - header_length :])
+    if len(tail) - header_length != count * INDEX_DTYPE.itemsize or header["count"] != count:
+        raise StaleCache(f"{(len(tail) - header_length) // INDEX_DTYPE.itemsize} images, not the dataset's {count}")
     index = np.frombuffer(tail[: len(tail) - header_length], dtype=INDEX_DTYPE)
-    if header["count"] != count or len(index) != count:
-        raise StaleCache(f"{len(index)} images, not the dataset's {count}")
-    if len(index) and int((index["offset"] + index["nbytes"]).max()) > index_at:
-        raise StaleCache("its index points past its images")
-    return header, index
+    check_rows(index, index_at, header)
+    return header, index, (data, identity)
 
 
-def write_cache(source, path, form, transform):
-    """Write source's images into a cache file at path: encoded by a thread per core (PIL decodes, resizes and
-    encodes without the GIL), in order, under a temporary name renamed once complete and flushed to disk. An
-    unreadable image raises the loader's error, which names it (data.skip_corrupt leaves none in source)."""
-    tmp = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    index, offset, channels = np.zeros(len(source), dtype=INDEX_DTYPE), 0, 3
-    encode = raw_pixels if form["raw"] else jpeg_bytes
+def check_rows(index, index_at, header):
+    """StaleCache naming the first row of index whose bytes are not within the images' index_at bytes (bounds
+    checked so that no uint64 sum can wrap), or, in a raw file, not its channels x height x width."""
+    offsets, nbytes, index_at = index["offset"], index["nbytes"], np.uint64(index_at)
+    outside = (offsets > index_at) | (nbytes > index_at - np.minimum(offsets, index_at))
+    if outside.any():
+        i = int(outside.argmax())
+        raise StaleCache(f"its index points past its images: image {i} at byte {offsets[i]}, {nbytes[i]} bytes, of "
+                         f"{index_at}")
+    if header["raw"]:
+        c, heights, widths = header["channels"], index["height"].astype(np.int64), index["width"].astype(np.int64)
+        wrong = (heights <= 0) | (widths <= 0) | (nbytes != (c * heights * widths).astype(np.uint64))
+        if wrong.any():
+            i = int(wrong.argmax())
+            raise StaleCache(f"image {i} holds {nbytes[i]} bytes, not its {c}x{heights[i]}x{widths[i]} pixels' "
+                             f"{c * heights[i] * widths[i]}")
 
-    def store(i):
+
+def chunk_size(count):
+    """Images per claimed chunk: at most CHUNK, and small enough that every local process gets some."""
+    return max(1, min(CHUNK, count // (4 * LOCAL_WORLD_SIZE)))
+
+
+def write_shared(source, path, tmp, form, transform, store, job, work):
+    """Write source's images into tmp with the machine's other processes (see the module's docstring); local rank 0
+    then completes it as path (finish_file). Any failure is recorded for every waiter and leaves no tmp."""
+    try:
+        rows = encode_chunks(source, path, tmp, form, transform, store, job, work)
+        store.set(f"{work}/rows/{LOCAL_RANK}", rows.tobytes())
+        store.add(f"{work}/posted", 1)
+        if LOCAL_RANK == 0:
+            wait_for(store, work, f"waiting for the local ranks writing {path}", total=len(source),
+                     until=lambda: store.add(f"{work}/posted", 0) == LOCAL_WORLD_SIZE)
+            finish_file(source, path, tmp, form, store, work)
+            done(store, work)
+        else:
+            wait_for(store, work, f"waiting for local rank 0 to write {path}")
+    except Exception as e:
+        for key in (work, job):
+            done(store, key, e)
+        raise
+    finally:
+        if LOCAL_RANK == 0 and tmp.exists():  # after an error; renamed otherwise
+            tmp.unlink()
+
+
+ROW = np.dtype([("image", "<i8"), ("channels", "<i4"), ("row", INDEX_DTYPE)])  # a row, its image and channels
+
+
+def encode_chunks(source, path, tmp, form, transform, store, job, work):
+    """ROW array of the images this process encoded into tmp: chunks claimed until none is left, each read and
+    encoded by a thread pool (the next chunk's images read while this one's are written)."""
+    encode, count, size = raw_pixels if form["raw"] else jpeg_bytes, len(source), chunk_size(len(source))
+
+    def store_one(i):
         image, target = source[i]
         drawn = v2.functional.get_size(image)  # crops are drawn on the original size (RamImages.sizes)
-        data, size, channels = encode(transform(image))
-        return data, size if form["raw"] or form["padded"] else drawn, size, channels, target
+        data, stored, channels = encode(transform(image))
+        return i, data, stored if form["raw"] or form["padded"] else drawn, stored, channels, target
+
+    def claim(pool):
+        start = (store.add(f"{work}/chunks", 1) - 1) * size
+        return [pool.submit(store_one, i) for i in range(start, min(start + size, count))]
+    rows, pending = [], deque()
+    bar = tqdm(total=count, desc=f"writing {short_path(path)}", unit="img", leave=False, disable=RANK != 0)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        bar = tqdm(total=len(source), desc=f"writing {short_path(path)}", unit="img", leave=False)
-        with open(tmp, "wb") as f, ThreadPoolExecutor(cpu_count()) as pool, bar:
-            for start in range(0, len(source), CHUNK):
-                for i, (data, drawn, size, channels, target) in enumerate(
-                        pool.map(store, range(start, min(start + CHUNK, len(source)))), start):
-                    index[i] = (offset, len(data), *size, *drawn, target)
-                    f.write(data)
-                    offset += len(data)
-                bar.update(min(CHUNK, len(source) - start))
-            header = json.dumps({**form, "count": len(source), "channels": channels}).encode()
-            tail = index.tobytes() + header
-            f.write(tail + FOOTER.pack(MAGIC, offset, len(header), zlib.crc32(tail)))
+        fd = os.open(tmp, os.O_WRONLY)
+    except OSError as e:
+        raise write_error(path, e) from None
+    with ThreadPoolExecutor(max(1, cpu_count() // LOCAL_WORLD_SIZE)) as pool, bar:
+        try:
+            pending.extend(chunk for chunk in (claim(pool), claim(pool)) if chunk)
+            while pending:
+                encoded = [future.result() for future in pending.popleft()]
+                if chunk := claim(pool):
+                    pending.append(chunk)
+                rows.append(write_chunk(fd, encoded, store, work))
+                for key in (work, job):
+                    made(store, key, len(encoded))
+                bar.update(progress(store, work) - bar.n)
+                finished(store, work, f"writing {path}")  # raises another process's failure
+        except OSError as e:
+            raise write_error(path, e) from None
+        finally:
+            for future in itertools.chain.from_iterable(pending):
+                future.cancel()
+            os.close(fd)
+    return np.concatenate(rows) if rows else np.zeros(0, ROW)
+
+
+def write_chunk(fd, encoded, store, work):
+    """ROW array of a chunk of encoded images, their bytes written at a region of the file claimed for them."""
+    data = b"".join(item[1] for item in encoded)
+    at = store.add(f"{work}/bytes", len(data)) - len(data)
+    written = 0
+    while written < len(data):  # pwrite may write less than asked
+        written += os.pwrite(fd, data[written:], at + written)
+    rows, offset = np.zeros(len(encoded), ROW), at
+    for k, (i, blob, drawn, stored, channels, target) in enumerate(encoded):
+        rows[k] = (i, channels, (offset, len(blob), *stored, *drawn, target, zlib.crc32(blob)))
+        offset += len(blob)
+    return rows
+
+
+def finish_file(source, path, tmp, form, store, work):
+    """Local rank 0: gather every local process's index rows, write index, header and footer after the images,
+    flush and rename tmp to path."""
+    parts = [np.frombuffer(store.get(f"{work}/rows/{r}"), ROW) for r in range(LOCAL_WORLD_SIZE)]
+    rows = np.concatenate(parts)
+    index = np.zeros(len(source), INDEX_DTYPE)
+    index[rows["image"]] = rows["row"]
+    if len(np.unique(rows["image"])) != len(source):
+        raise DatasetError(f"data.cache=jpeg: {path}: {len(np.unique(rows['image']))} of {len(source)} images written")
+    writers = [len(part) for part in parts]  # images each local process encoded
+    header = json.dumps({**form, "count": len(source), "channels": int(rows["channels"][0]) if len(rows) else 3,
+                         "writers": writers}).encode()
+    tail, at = index.tobytes() + header, store.add(f"{work}/bytes", 0)
+    try:
+        with open(tmp, "r+b") as f:
+            f.seek(at)
+            f.write(tail + FOOTER.pack(MAGIC, at, len(header), zlib.crc32(tail)))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        raise DatasetError(f"data.cache=jpeg: cannot write {path} ({e.strerror or e}); set data.cache_dir to a "
-                           f"writable directory with room for it") from None
-    finally:
-        if tmp.exists():  # after an error; renamed otherwise
-            tmp.unlink()
-    LOGGER.info(f"{colorstr('data:')} wrote {short_path(path)}: {len(source)} images, {size_text(offset)}")
+        raise write_error(path, e) from None
+    LOGGER.info(f"{colorstr('data:')} wrote {short_path(path)}: {len(source)} images, {size_text(at)}, encoded by "
+                f"{len(writers)} processes ({', '.join(map(str, writers))} images)")
+
+
+def write_error(path, e):
+    """The DatasetError for path's file that cannot be written (OSError e)."""
+    return DatasetError(f"data.cache=jpeg: cannot write {path} ({e.strerror or e}); set data.cache_dir to a writable "
+                        f"directory with room for it")
 
 
 def jpeg_bytes(image):

@@ -16,8 +16,8 @@ from torch import nn
 
 from utils.checkpoint import load_checkpoint
 from utils.config import DataConfig
-from utils.distributed import gather_object, torch_distributed_zero_first
-from utils.general import LOCAL_RANK, LOGGER, RANK, SharedError, UsageError, colorstr, error_line
+from utils.general import LOGGER, RANK, SharedError, UsageError, colorstr, error_line
+from utils.waiting import once_per_machine as once_per_machine_waiting
 
 # How torchvision's weights enums spell their members (DEFAULT, IMAGENET1K_V1, IMAGENET1K_SWAG_E2E_V1): a value so
 # spelled is a name, anything else a file. timm's tags (a1_in1k, tv_in1k) are lower case, so for timm/NAME a value
@@ -71,15 +71,12 @@ def download(weights, path, source):
 
 def once_per_machine(fetch):
     """Run fetch() (None, or the line to report when it failed) on local rank 0 while the other ranks of its machine
-    wait; a failure on any machine stops every rank with that one line."""
-    error = None
-    with torch_distributed_zero_first(LOCAL_RANK):
-        if LOCAL_RANK == 0:
-            error = fetch()
-    # Every rank learns of any machine's failure: a machine whose ranks went on alone would wait at DDP's start.
-    errors = [e for e in gather_object(error) if e]
-    if errors:
-        raise SharedError(errors[0])
+    wait on its heartbeat, not a clock (utils/waiting.py); a failure on any machine stops every rank with that line."""
+    def fetch_or_raise():
+        error = fetch()
+        if error:
+            raise UsageError(error)  # met by this rank alone: the others stop on its report
+    once_per_machine_waiting("weights", "downloading weights", fetch_or_raise)
 
 
 def torchvision_state(weights, source):

@@ -1,10 +1,14 @@
 """Run by test_jpeg_cache.py under torchrun: every rank builds the data.cache=jpeg datasets of DATA with their files
-in CACHE, recording each file write as rank:role in CACHE/writers.txt and the images it reads in CACHE/rank{RANK}.txt.
+in CACHE, recording the images each local rank encoded per file (its header's writers) in CACHE/writers.txt and the
+images it reads in CACHE/rank{RANK}.txt. FAULTS (comma-separated) make a rank's encoding slow, stop or fail:
 
-    torchrun --nproc_per_node=2 tests/jpeg_cache_driver.py DATA CACHE
+    torchrun --nproc_per_node=2 tests/jpeg_cache_driver.py DATA CACHE [slow:RANK:SECONDS,hang:RANK,fail:RANK]
+    (RANK may be all)
 """
 
+import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -16,25 +20,42 @@ from data.datasets import build_datasets  # noqa: E402
 from data.transforms import val_transforms  # noqa: E402
 from utils.config import load_recipe  # noqa: E402
 from utils.distributed import cleanup_distributed, setup_distributed  # noqa: E402
-from utils.general import RANK  # noqa: E402
+from utils.general import RANK, ImageError  # noqa: E402
 
 
-def record_writes(out, write=data.jpeg_cache.write_cache):
-    def write_and_record(source, path, *args):
-        with open(out, "a") as f:
-            f.write(f"rank{RANK}:{path.name.split('-')[1]}\n")
-        return write(source, path, *args)
-    data.jpeg_cache.write_cache = write_and_record
+def inject(fault):
+    """Make this rank's encoding (JPEG and raw) sleep SECONDS per image (slow:RANK:SECONDS), forever (hang:RANK), or
+    raise the ImageError of an unreadable image (fail:RANK)."""
+    kind, rank, *seconds = fault.split(":")
+    if rank not in ("all", str(RANK)):
+        return
+
+    def faulty(encode):
+        def sleep_and_encode(image):
+            if kind == "fail":
+                raise ImageError(f"image of rank {RANK}: unreadable image (test)")
+            time.sleep(float(seconds[0]) if kind == "slow" else 10**6)
+            return encode(image)
+        return sleep_and_encode
+    for name in ("jpeg_bytes", "raw_pixels"):
+        setattr(data.jpeg_cache, name, faulty(getattr(data.jpeg_cache, name)))
 
 
-def main(root, cache):
+def main(root, cache, fault=None):
+    signal.signal(signal.SIGTERM, lambda *_: None)  # as train.py defers it: a rank torchrun stops cleans up first
     setup_distributed()
     try:
         cache.mkdir(parents=True, exist_ok=True)
-        record_writes(cache / "writers.txt")
+        for one in fault.split(",") if fault else ():
+            inject(one)
         cfg = load_recipe("cls.yaml", ["data.cache=jpeg", f"data.cache_dir={cache}", "data.img_size=16"]).data
         train_set, val_set = data.jpeg_cache.jpeg_datasets(*build_datasets(root, None, None), cfg, 0,
                                                            val_transforms(cfg), torch.device("cpu"))
+        if RANK == 0:
+            with open(cache / "writers.txt", "w") as f:
+                for dataset in (train_set, val_set):
+                    f.write(" ".join(map(str, data.jpeg_cache.open_cache(dataset.path, len(dataset))[0]["writers"])))
+                    f.write("\n")
         train_set.set_epoch(1)
         images = [train_set.__getitems__(range(len(train_set)))[0], val_set.__getitems__(range(len(val_set)))[0]]
         (cache / f"rank{RANK}.txt").write_text(" ".join(str(int(t.long().sum())) for t in images))
@@ -43,4 +64,4 @@ def main(root, cache):
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:])

@@ -1,7 +1,12 @@
-"""data.cache=ram's memory: the budget (available memory, container limits, processes per machine) and training
-images stored no larger than their crops need, each at its own size, with the per-image path's crop boxes."""
+"""data.cache=ram's memory: the budget (available memory, container limits, processes per machine), the memory a
+cache takes while it is built (its pixels, not a second copy), and training images stored no larger than their crops
+need, each at its own size, with the per-image path's crop boxes."""
 
+import json
 import math
+import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -10,17 +15,20 @@ from omegaconf import OmegaConf
 from PIL import Image
 from torchvision.datasets import ImageFolder
 
+import data.cache
 import data.transforms
 import utils.general
 import utils.memory
+from conftest import run_python
 from data.cache import RamImages, batch_to, store_side
 from data.sampler import SeededSamples
 from data.transforms import crop_spec, train_transforms
 from utils.config import DataConfig
 from utils.general import SharedError
-from utils.memory import MEMORY_SHARE, memory_budget
+from utils.memory import MEMORY_SHARE, Budget, memory_budget
 
 GiB = 2**30
+MiB = 2**20
 
 def data_cfg(**keys):
     return OmegaConf.structured(DataConfig(**keys))
@@ -133,6 +141,87 @@ def test_a_cache_over_budget_says_what_it_needs_the_budget_and_how_it_was_derive
                                           r"before them, more than this process's budget of 2.0 KiB"):
         RamImages(ImageFolder(str(folder)), budget=budget, used=1800)  # validation, after the training images
     assert len(RamImages(ImageFolder(str(folder)), budget=None)) == 8  # nothing to read: no check
+
+class MemorySource:
+    """n generated side x side RGB images, no files: image i's pixels are (j + 7 i) mod 256 in (H, W, C) order;
+    `loads` counts the images read, and reading image 0 takes `first_delay` seconds."""
+
+    def __init__(self, n, side, first_delay=0.0):
+        self.n, self.side, self.first_delay, self.loads, self.lock = n, side, first_delay, 0, threading.Lock()
+        self.classes, self.root, self.targets = ["a", "b"], "memory", [i % 2 for i in range(n)]
+        self.ramp = np.arange(side * side * 3, dtype=np.int64)
+
+    def pixels(self, start, stop):
+        """The (stop - start, C, H, W) uint8 pixels of images start..stop-1, as a cache stores them."""
+        i = np.arange(start, stop)[:, None]
+        return ((self.ramp + 7 * i) % 256).astype(np.uint8).reshape(-1, self.side, self.side, 3).transpose(0, 3, 1, 2)
+
+    def __getitem__(self, i):
+        with self.lock:
+            self.loads += 1
+        if i == 0:
+            time.sleep(self.first_delay)
+        return Image.fromarray(self.pixels(i, i + 1)[0].transpose(1, 2, 0)), i % 2
+
+    def __len__(self):
+        return self.n
+
+
+def status_bytes(key):
+    """One memory figure of this process's /proc/self/status (VmRSS, VmHWM), in bytes."""
+    for line in open("/proc/self/status"):
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) * 1024
+
+
+def cache_memory(n, side):
+    """Build a RamImages of MemorySource(n, side) and print, as JSON, its pixels' bytes, how far the peak resident
+    memory rose while it was built, and whether every pixel is right (run in a fresh interpreter)."""
+    source = MemorySource(n, side)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM, the peak, to the memory resident now
+    before = status_bytes("VmRSS")
+    cache = RamImages(source, budget=Budget(4 * GiB, 5 * GiB, "of memory available", 1))
+    rise = status_bytes("VmHWM") - before
+    flat = cache.pixels.numpy().reshape(n, -1)
+    right = all(np.array_equal(flat[i : i + 5000], source.pixels(i, min(i + 5000, n)).reshape(-1, flat.shape[1]))
+                for i in range(0, n, 5000))
+    print(json.dumps(dict(nbytes=cache.nbytes, rise=rise, right=right)))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_a_cache_takes_the_memory_of_its_pixels_while_it_is_built():
+    # 60,000 images of 3 x 24 x 24: 99 MiB of pixels. Decoding each image into a tensor of its own and then packing
+    # them into one took about 3 times that at its peak.
+    result = run_python("-c", "import sys; sys.path.insert(0, 'tests'); import test_cache_memory as t; "
+                              "t.cache_memory(60000, 24)")
+    assert result.returncode == 0, result.stderr
+    memory = json.loads(result.stdout.splitlines()[-1])
+    assert memory["nbytes"] == 60000 * 3 * 24 * 24 and memory["right"]
+    assert memory["rise"] < 1.25 * memory["nbytes"] + 16 * MiB, memory["rise"] / memory["nbytes"]
+
+
+def test_decoding_keeps_a_few_chunks_of_images_in_flight_and_stops_at_the_budget(monkeypatch):
+    monkeypatch.setattr(data.cache, "cpu_count", lambda: 2)  # two threads: four chunks of 16 images in flight
+    # While image 0 decodes slowly, the other thread may run ahead by the chunks already in flight, no further;
+    # the budget holds one image (48 bytes), so the second stops the cache.
+    source = MemorySource(2000, 4, first_delay=0.5)
+    with pytest.raises(SharedError, match="the first 2 of 2000 images take 96 B, more than this process's budget "
+                                          "of 48 B"):
+        RamImages(source, budget=Budget(48, 60, "of memory available", 1))
+    assert 2 <= source.loads <= 5 * 16  # the four chunks in flight and the one that replaced the first
+
+
+def test_a_cache_without_a_budget_stores_the_same_pixels(tmp_path):
+    folder = str(smooth_folder(tmp_path, SIZES))
+    budgeted, unbounded = RamImages(ImageFolder(folder), budget=Budget(GiB, GiB, "of memory available", 1)), \
+        RamImages(ImageFolder(folder), budget=None)
+    assert torch.equal(budgeted.pixels, unbounded.pixels) and np.array_equal(budgeted.offsets, unbounded.offsets)
+    assert budgeted.nbytes == 3 * sum(h * w for h, w in SIZES)
+    for i, (h, w) in enumerate(budgeted.stored.tolist()):
+        image = np.asarray(Image.open(ImageFolder(folder).samples[i][0]).convert("RGB")).transpose(2, 0, 1)
+        assert np.array_equal(budgeted.gather(torch.tensor([i]))[0, :, :h, :w].numpy(), image)
+
 
 def test_training_images_are_stored_within_the_bound_each_at_its_own_size(tmp_path):
     cfg = data_cfg(img_size=8, scale=[0.25, 1.0])

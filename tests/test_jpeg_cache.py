@@ -1,6 +1,11 @@
 """data.cache=jpeg: one file per split, shared by the processes on a machine, checked on every open and rewritten when
 unusable; the RAM cache's crops and flips from the same per-sample seeds, decoded in workers or on the device."""
 
+import os
+import pickle
+import re
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -11,12 +16,12 @@ import val
 from conftest import read_results, run_python, run_torchrun
 from data.cache import batch_to
 from data.datasets import build_datasets
-from data.jpeg_cache import FOOTER, StaleCache, jpeg_datasets, open_cache
+from data.jpeg_cache import FOOTER, INDEX_DTYPE, StaleCache, jpeg_datasets, open_cache
 from data.transforms import crop_spec, val_transforms
 from test_cache import SIZES, data_cfg, per_image_epoch
 from utils.checkpoint import load_checkpoint
 from utils.config import RecipeError, load_recipe
-from utils.general import DatasetError
+from utils.general import DatasetError, ImageError
 
 CPU = torch.device("cpu")
 
@@ -130,6 +135,90 @@ def test_a_cache_file_of_another_image_count_is_not_read(root, tmp_path):
         open_cache(train_set.path, 9)
 
 
+def flip_image_bytes(path, first, count=64):
+    """XOR count bytes of path's image area from byte first, in place (the same inode)."""
+    with open(path, "r+b") as f:
+        f.seek(first)
+        data = bytearray(f.read(count))
+        f.seek(first)
+        f.write(bytes(b ^ 0x5A for b in data))
+
+
+@pytest.mark.parametrize("role", ["train", "val"])
+def test_a_damaged_image_stops_the_run_naming_it_and_its_file_is_removed_and_rewritten(root, tmp_path, log, role):
+    cfg = data_cfg(img_size=16, scale=[0.25, 1.0], cache="jpeg", cache_dir=str(tmp_path / "cache"))
+    dataset = jpeg_sets(root, cfg)[role == "val"]
+    before = dataset.__getitems__(range(len(dataset)))[0]
+    flip_image_bytes(dataset.path, int(dataset.offsets[5]) + 4)
+    damaged = jpeg_sets(root, cfg)[role == "val"]  # index and header intact: opened as it is
+    assert damaged.path == dataset.path and "rewriting" not in log.text
+    assert torch.equal(damaged.__getitems__(range(5))[0], before[:5])  # the images before it read as before
+    with pytest.raises(ImageError) as error:
+        damaged.__getitems__([4, 5])
+    assert str(error.value) == (f"data.cache=jpeg: {dataset.path}: image 5 (from {damaged.samples[5][0]}) does not "
+                                f"match its CRC-32: the file is damaged; removed it, so the next start rewrites it")
+    assert not dataset.path.exists()
+    again = jpeg_sets(root, cfg)[role == "val"]
+    assert again.path == dataset.path and torch.equal(again.__getitems__(range(len(again)))[0], before)
+
+
+def test_a_damaged_file_already_replaced_by_another_process_is_not_removed(root, tmp_path):
+    cfg = data_cfg(img_size=16, cache="jpeg", cache_dir=str(tmp_path / "cache"))
+    train_set = jpeg_sets(root, cfg)[0]
+    good = train_set.path.read_bytes()
+    flip_image_bytes(train_set.path, int(train_set.offsets[2]))  # the file this dataset mapped
+    replacement = train_set.path.with_name("replacement")
+    replacement.write_bytes(good)
+    os.replace(replacement, train_set.path)  # another process rewrote it meanwhile
+    with pytest.raises(ImageError, match=r"image 2 .* does not match its CRC-32"):
+        train_set.__getitems__([2])
+    assert train_set.path.read_bytes() == good
+
+
+def rewrite_index(path, change):
+    """Apply change to path's index rows (a writable INDEX_DTYPE array) and write them back with a valid CRC."""
+    data = bytearray(path.read_bytes())
+    magic, index_at, header_length, _ = FOOTER.unpack(data[-FOOTER.size :])
+    end = len(data) - FOOTER.size - header_length
+    index = np.frombuffer(bytes(data[index_at:end]), dtype=INDEX_DTYPE).copy()
+    change(index)
+    data[index_at:end] = index.tobytes()
+    tail = bytes(data[index_at : len(data) - FOOTER.size])
+    data[-FOOTER.size :] = FOOTER.pack(magic, index_at, header_length, zlib.crc32(tail))
+    path.write_bytes(bytes(data))
+
+
+def test_an_index_whose_offsets_wrap_or_whose_raw_rows_have_the_wrong_size_is_not_read(root, tmp_path):
+    cfg = data_cfg(img_size=16, cache="jpeg", cache_dir=str(tmp_path / "cache"))
+    train_set, val_set = jpeg_sets(root, cfg)
+
+    def wrap(index):
+        index["offset"][3], index["nbytes"][3] = 2**64 - 10, 20  # offset + nbytes wraps to 10 in uint64
+    rewrite_index(train_set.path, wrap)
+    with pytest.raises(StaleCache, match="its index points past its images: image 3"):
+        open_cache(train_set.path, len(train_set))
+    c, h, w = val_set.channels, *val_set.stored[1].tolist()
+
+    def short_row(index):
+        index["nbytes"][1] -= 1
+    rewrite_index(val_set.path, short_row)
+    with pytest.raises(StaleCache, match=rf"image 1 holds {c * h * w - 1} bytes, not its {c}x{h}x{w} pixels' "
+                                         rf"{c * h * w}"):
+        open_cache(val_set.path, len(val_set))
+
+
+def test_a_file_replaced_by_path_after_it_was_checked_is_not_read(root, tmp_path):
+    cfg = data_cfg(img_size=16, cache="jpeg", cache_dir=str(tmp_path / "cache"))
+    train_set, val_set = jpeg_sets(root, cfg)
+    before = pickle.loads(pickle.dumps(val_set)).__getitems__(range(len(val_set)))[0]  # the same file: re-opened
+    os.replace(train_set.path, val_set.path)  # another file now at val's path, before val_set first reads
+    assert torch.equal(val_set.__getitems__(range(len(val_set)))[0], before)  # the checked file, kept open
+    # A DataLoader of the spawn start method pickles the dataset: re-opened by path, the replacement is refused.
+    with pytest.raises(ImageError, match=rf"data.cache=jpeg: {val_set.path} was replaced since it was checked "
+                                         rf"\(device, inode or size differ\); restart to check it again"):
+        pickle.loads(pickle.dumps(val_set))
+
+
 def test_an_unwritable_cache_dir_is_named_with_the_way_out(root, tmp_path):
     (tmp_path / "file").write_text("")
     cfg = data_cfg(img_size=16, cache="jpeg", cache_dir=str(tmp_path / "file" / "cache"))
@@ -146,13 +235,58 @@ def test_recipe_check_names_what_the_jpeg_cache_cannot_do():
         load_recipe("cls.yaml", ["data.cache=jpeg", "data.jpeg_decode=gpu"])
 
 
-def test_two_processes_write_each_file_once_and_share_it(root, tmp_path):
-    result = run_torchrun("tests/jpeg_cache_driver.py", root, tmp_path / "cache", nproc=2, timeout=300)
+def stored_images(path, count):
+    """Each image's stored bytes in the cache file at path, and its index rows without their offsets."""
+    header, index, (data, _) = open_cache(path, count)
+    blobs = [data[o : o + n].tobytes() for o, n in zip(index["offset"].tolist(), index["nbytes"].tolist())]
+    return blobs, index[[name for name in index.dtype.names if name != "offset"]].tolist()
+
+
+def run_driver(root, cache, *fault, timeout=300):
+    result = run_torchrun("tests/jpeg_cache_driver.py", root, cache, *fault, nproc=2, timeout=timeout)
+    writers = [list(map(int, line.split())) for line in (cache / "writers.txt").read_text().splitlines()] \
+        if result.returncode == 0 else None
+    return result, writers
+
+
+def test_two_processes_write_each_file_together_and_it_holds_what_one_process_writes(root, tmp_path):
+    result, writers = run_driver(root, tmp_path / "cache", "slow:all:0.05")  # both ranks in time to claim images
     assert result.returncode == 0, result.stderr[-3000:]
-    writers = (tmp_path / "cache" / "writers.txt").read_text().split()
-    assert writers == ["rank0:train", "rank0:val"]  # local rank 0 wrote, rank 1 waited and read the same files
-    assert len(cache_files(tmp_path / "cache")) == 2
+    assert len(writers) == 2 and all(len(w) == 2 and min(w) > 0 and sum(w) == len(SIZES) for w in writers), writers
+    assert len(cache_files(tmp_path / "cache")) == 2  # no temporary file left
     assert (tmp_path / "cache" / "rank0.txt").read_text() == (tmp_path / "cache" / "rank1.txt").read_text() != ""
+    cfg = load_recipe("cls.yaml", ["data.cache=jpeg", f"data.cache_dir={tmp_path / 'one'}", "data.img_size=16"]).data
+    jpeg_sets(root, cfg)
+    assert cache_files(tmp_path / "one") == cache_files(tmp_path / "cache")
+    for name in cache_files(tmp_path / "one"):
+        assert stored_images(tmp_path / "one" / name, len(SIZES)) == stored_images(tmp_path / "cache" / name,
+                                                                                   len(SIZES))
+
+
+def test_a_waiting_rank_outlasts_the_stall_limit_while_the_writer_progresses(root, tmp_path, monkeypatch):
+    monkeypatch.setenv("CLS_STALL_SECONDS", "0.8")
+    result, writers = run_driver(root, tmp_path / "cache", "slow:0:0.5")  # rank 0 makes progress every 0.5 s
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert writers[0][0] * 0.5 > 0.8  # rank 1, done with its share at once, waited on rank 0 longer than the limit
+
+
+def test_a_waiting_rank_stops_with_one_line_when_the_writer_makes_no_progress(root, tmp_path, monkeypatch):
+    monkeypatch.setenv("CLS_STALL_SECONDS", "1")
+    result, _ = run_driver(root, tmp_path / "cache", "hang:0", timeout=120)  # a stall never noticed times out
+    assert result.returncode != 0
+    assert re.search(r"Stalled: rank 1 on \S+: waiting for local rank 0 to write \S+train\S+\.jpegcache made no "
+                     r"progress for 1 s \(at \d+\); stopped waiting", result.stderr), result.stderr[-3000:]
+
+
+def test_a_writer_that_fails_stops_the_others_at_once_and_leaves_no_temporary_file(root, tmp_path, monkeypatch):
+    monkeypatch.setenv("CLS_STALL_SECONDS", "600")  # rank 0 stops on rank 1's failure, not on a stall
+    result, _ = run_driver(root, tmp_path / "cache", "slow:0:0.2,fail:1", timeout=120)
+    assert result.returncode != 0
+    assert "ImageError: image of rank 1: unreadable image (test)" in result.stderr, result.stderr[-3000:]
+    assert re.search(r"WorkFailed: rank 0 on \S+: (writing|waiting for the local ranks writing) \S+train\S+\.jpegcache "
+                     r"stopped: it failed \(image of rank 1: unreadable image \(test\)\)", result.stderr), \
+        result.stderr[-3000:]
+    assert cache_files(tmp_path / "cache") == []  # neither a cache file nor a temporary one
 
 
 def test_a_jpeg_cache_run_stopped_mid_epoch_resumes_bit_identical_and_val_py_agrees(image_folder, tmp_path):

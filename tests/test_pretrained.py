@@ -21,7 +21,7 @@ from models.pretrained import (cache_path, fine_tuning, follow_weights, torchvis
                                weights_preprocessing)
 from utils.checkpoint import load_checkpoint
 from utils.config import IMAGENET_MEAN, IMAGENET_STD, ModelConfig, OptimConfig, SchedConfig, load_recipe
-from utils.general import SharedError
+from utils.general import SharedError, UsageError
 from utils.optim import build_optimizer, build_scheduler, stepped_parameters
 
 RESNET18 = torchvision.models.ResNet18_Weights.IMAGENET1K_V1
@@ -343,7 +343,7 @@ def test_timm_tags_load_through_timm_and_name_the_hugging_face_cache_offline(fak
     assert f"model: loaded timm's tiny from {folder}; head.weight, head.bias initialised afresh for 3 classes" \
            in log.text
     fake_timm.offline = True
-    with pytest.raises(SharedError, match=r"^model.weights=a1_in1k: cannot download timm's tiny.a1_in1k from "
+    with pytest.raises(UsageError, match=r"^model.weights=a1_in1k: cannot download timm's tiny.a1_in1k from "
                                           r"https://huggingface.co/timm/tiny.a1_in1k \(We couldn't connect .*\); "
                                           r"without internet, place a copy at (.*) \(hf download "
                                           r"timm/tiny.a1_in1k fills it\)$") as error:
