@@ -65,7 +65,8 @@ def download(weights, path, source):
         torch.hub.download_url_to_file(weights.url, str(path), match and match.group(1), progress=sys.stderr.isatty())
     except (OSError, RuntimeError) as e:  # URLError and HTTPError are OSErrors; a wrong checksum a RuntimeError
         return (f"{source}: cannot download {weights} from {weights.url} ({error_line(e) or type(e).__name__}); "
-                f"without internet, place a copy of that file at {path}")
+                f"without internet, place a copy of that file at {path}, or train from scratch with "
+                f"model.weights=''")
     return None
 
 
@@ -128,7 +129,8 @@ def timm_state(model_name, tag, source):
         except (OSError, RuntimeError, ValueError) as e:  # requests' and huggingface_hub's errors are OSErrors
             fill = f" (hf download {config.hf_hub_id} fills it)" if config.hf_hub_id else ""
             return (f"{source}: cannot download timm's {name} from {url} ({error_line(e) or type(e).__name__}); "
-                    f"without internet, place a copy at {place}{fill}")
+                    f"without internet, place a copy at {place}{fill}, or train from scratch with "
+                    f"model.weights=''")
         return None
     once_per_machine(fetch)
     return loaded or timm.create_model(name, pretrained=True).state_dict(), f"timm's {name} from {place}"

@@ -131,7 +131,8 @@ def test_a_failed_download_names_the_weights_url_and_cache_file_and_leaves_nothi
     assert exit_info.value.code == 2 and error.count("\n") == 1, error
     assert error.startswith(f"train.py: error: model.weights=DEFAULT: cannot download "
                             f"ResNet18_Weights.IMAGENET1K_V1 from {URL} ({reason}")
-    assert error.endswith(f"); without internet, place a copy of that file at {torch_home}\n")
+    assert error.endswith(f"); without internet, place a copy of that file at {torch_home}, or train from "
+                          f"scratch with model.weights=''\n")
     assert list(torch_home.parent.iterdir()) == []  # no file, whole or partial
     assert not (tmp_path / "runs").exists()
 
@@ -208,7 +209,8 @@ def test_two_processes_download_once_per_machine_and_every_rank_reads_the_cache(
     assert result.returncode != 0
     assert result.stderr.count(f"train.py: error: model.weights=IMAGENET1K_V1: cannot download ResNet18_Weights."
                                f"IMAGENET1K_V1 from {URL} (<urlopen error [Errno -3] Temporary failure in name "
-                               f"resolution>); without internet, place a copy of that file at {cache}\n") == 1
+                               f"resolution>); without internet, place a copy of that file at {cache}, or train from "
+                               f"scratch with model.weights=''\n") == 1
     assert record.read_text().splitlines()[3:] == [f"download 0 0 {URL} f37072fd"]
     assert list(cache.parent.iterdir()) == []
 
@@ -346,7 +348,8 @@ def test_timm_tags_load_through_timm_and_name_the_hugging_face_cache_offline(fak
     with pytest.raises(UsageError, match=r"^model.weights=a1_in1k: cannot download timm's tiny.a1_in1k from "
                                           r"https://huggingface.co/timm/tiny.a1_in1k \(We couldn't connect .*\); "
                                           r"without internet, place a copy at (.*) \(hf download "
-                                          r"timm/tiny.a1_in1k fills it\)$") as error:
+                                          r"timm/tiny.a1_in1k fills it\), or train from scratch with "
+                                          r"model.weights=''$") as error:
         start_from(TinyTimmModel(3), model_cfg(name="timm/tiny", weights="a1_in1k"), 3)
     assert str(folder) in str(error.value)
 

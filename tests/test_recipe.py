@@ -211,3 +211,26 @@ def test_device_takes_a_gpu_index_from_the_command_line_and_from_yaml(tmp_path, 
         load_recipe("cls.yaml", ["device=gpu"])
     with pytest.raises(RecipeError, match=f"^{tmp_path / 'r.yaml'}: {expected}'0,1'$"):
         load_recipe(str(write(tmp_path / "r.yaml", "base: cls.yaml\ndevice: 0,1\n")))
+
+
+@pytest.mark.parametrize("spelling", ["", "''", "null", "none", "None", "NULL"])
+def test_every_spelling_of_off_turns_an_optional_string_off(spelling, tmp_path):
+    # The shell turns model.weights='' into model.weights=, which OmegaConf reads as None; none and null are
+    # what users type too. Each means off ('') for every optional string key, on the command line and in a file.
+    keys = ["model.weights", "data.auto_augment", "data.cache_dir", "train.class_weights"]
+    cfg = load_recipe("folder.yaml", [f"{key}={spelling}" for key in keys])
+    assert [OmegaConf.select(cfg, key) for key in keys] == [""] * 4
+    recipe = tmp_path / "off.yaml"
+    recipe.write_text(f"base: folder.yaml\nmodel:\n  weights: {spelling}\ndata:\n  auto_augment: {spelling}\n")
+    cfg = load_recipe(str(recipe))
+    assert (cfg.model.weights, cfg.data.auto_augment) == ("", "")
+    resumed = load_resumed_recipe(OmegaConf.to_container(load_recipe("folder.yaml", ["model.weights="])),
+                                  [f"model.weights={spelling}"])
+    assert resumed.model.weights == ""
+
+
+def test_off_spellings_leave_other_strings_and_values_alone():
+    cfg = load_recipe("cls.yaml", ["data.cache=none", "model.weights=None.pt"])
+    assert (cfg.data.cache, cfg.model.weights) == ("none", "None.pt")
+    with pytest.raises(RecipeError, match="'data.name': Incompatible value 'None'"):
+        load_recipe("cls.yaml", ["data.name="])  # not optional: no default of ''

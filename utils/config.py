@@ -177,10 +177,35 @@ def recipe_layers(path, seen=()):
     return [*layers, (str(path), content)]
 
 
+def optional_strings(cls=None, prefix=""):
+    """Dotted keys of the schema's optional strings: str keys whose default, '', means off."""
+    keys = set()
+    for f in fields(cls or Recipe):
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        if is_dataclass(default):
+            keys |= optional_strings(type(default), f"{prefix}{f.name}.")
+        elif default == "" and f.type in (str, "str"):
+            keys.add(f"{prefix}{f.name}")
+    return keys
+
+
+def spelled_off(layer, prefix=""):
+    """layer with each optional string given as nothing ('key=', which the shell makes of key=''), null or none
+    set to '', which is how the schema says off: every natural spelling of off works."""
+    if not isinstance(layer, dict):
+        return layer
+    off = optional_strings()
+    return {name: spelled_off(value, f"{prefix}{name}.") if isinstance(value, dict)
+            else "" if f"{prefix}{name}" in off and (value is None or str(value).lower() in ("none", "null"))
+            else value for name, value in layer.items()}
+
+
 def merge_layer(cfg, layer, source):
     """Merge one layer onto the typed config, turning OmegaConf errors into messages that name key and source."""
+    if isinstance(layer, DictConfig):
+        layer = OmegaConf.to_container(layer)
     try:
-        return OmegaConf.merge(cfg, layer)
+        return OmegaConf.merge(cfg, spelled_off(layer))
     except ConfigKeyError as e:
         raise RecipeError(f"{source}: unknown key '{e.full_key}'{suggest(e)}") from None
     except OmegaConfBaseException as e:
