@@ -1,4 +1,4 @@
-"""data.cache=jpeg: each split written once into one file, memory-mapped by every process on the machine.
+"""data.cache=jpeg: each split written once into one file, read by every process on the machine.
 
 Training images are stored as JPEG bytes (quality 90) at the shorter side the RAM cache keeps (cache.store_side:
 what the recipe's crops can use), validation images as the raw uint8 pixels of their transforms (which are not
@@ -22,8 +22,10 @@ writes index, header and footer, flushes and renames it. Processes wait on the w
 never on a clock or in a collective, and none goes on before every machine's file is complete. Each machine writes
 its own file under a temporary name of its own (host and a token), on a shared disk or not.
 
-The file checked is the one read: mapped once when checked (DataLoader workers inherit the mapping), so a file later
-renamed over its path changes nothing. Each image's bytes are checked against their CRC-32 as they are read: a
+The file checked is the one read: opened once when checked (DataLoader workers inherit the descriptor), so a file
+later renamed over its path changes nothing. Images are read by positioned reads (os.preadv), not a memory mapping:
+a mapping counts every page read, and the pages around it, in the process's resident memory, which over an epoch
+grows to the file's size in every process and worker; read, a process holds only the batch it decodes. Each image's bytes are checked against their CRC-32 as they are read: a
 damaged image stops the run naming the file, the image and its source, and the file is removed (when it is still the
 one mapped) so the next start rewrites it.
 
@@ -34,7 +36,6 @@ its bytes), then a JSON header, then FOOTER: magic, index offset, header length,
 import io
 import itertools
 import json
-import mmap
 import os
 import secrets
 import socket
@@ -86,7 +87,7 @@ class JpegImages(torch.utils.data.Dataset):
     on_device its JPEG bytes as a list of 1-D uint8 tensors with each sample's crop params for the epoch and the
     stored image's scale, for batch_to to decode and crop on the device; validation sets return the stored pixels."""
 
-    def __init__(self, source, path, header, index, mapped, spec=None, seed=0, on_device=False):
+    def __init__(self, source, path, header, index, opened, spec=None, seed=0, on_device=False):
         self.classes, self.root, self.spec, self.seed, self.epoch = source.classes, source.root, spec, seed, 0
         self.samples = getattr(source, "samples", None)
         self.path, self.raw, self.channels, self.on_device = path, header["raw"], header["channels"], on_device
@@ -96,7 +97,7 @@ class JpegImages(torch.utils.data.Dataset):
         self.stored = torch.from_numpy(np.stack([index["height"], index["width"]], 1).astype(np.int64))
         self.sizes = torch.from_numpy(np.stack([index["drawn_height"], index["drawn_width"]], 1).astype(np.int64))
         self.scales = (self.stored / self.sizes).float()
-        self.data, self.identity = mapped
+        self.file, self.identity = opened
         self.file_bytes = self.identity[2]
 
     @property
@@ -109,13 +110,13 @@ class JpegImages(torch.utils.data.Dataset):
         self.epoch = epoch
 
     def __getstate__(self):
-        return {**self.__dict__, "data": None}  # pickled for DataLoader workers of the spawn start method
+        return {**self.__dict__, "file": None}  # pickled for DataLoader workers of the spawn start method
 
     def __setstate__(self, state):
-        """Re-map the file by path, refusing one that is not the file checked (another renamed over it since)."""
+        """Reopen the file by path, refusing one that is not the file checked (another renamed over it since)."""
         self.__dict__.update(state)
         try:
-            self.data, identity = map_file(self.path)
+            self.file, identity = open_file(self.path)
         except OSError as e:
             raise ImageError(f"data.cache=jpeg: {self.path} cannot be read ({e.strerror or e}) since it was checked; "
                              f"restart to check it again") from None
@@ -124,17 +125,15 @@ class JpegImages(torch.utils.data.Dataset):
                              f"differ); restart to check it again")
 
     def blob(self, i):
-        """Image i's stored bytes as a 1-D uint8 tensor (a copy: the mapping is read-only), checked against their
-        CRC-32 (see damaged)."""
-        start = self.offsets[i]
-        data = np.array(self.data[start : start + self.nbytes_each[i]])
-        if zlib.crc32(data) != self.crcs[i]:
+        """Image i's stored bytes as a 1-D uint8 tensor, checked against their CRC-32 (see damaged)."""
+        data = read_at(self.file, int(self.offsets[i]), int(self.nbytes_each[i]))
+        if data is None or zlib.crc32(data) != self.crcs[i]:  # None: the file is shorter than its index says
             raise self.damaged(i)
         return torch.from_numpy(data)
 
     def damaged(self, i):
         """The ImageError for image i's bytes not matching their CRC-32, after removing the file when its path
-        still names the file mapped (another process may have rewritten it already). data.skip_corrupt does not
+        still names the file read (another process may have rewritten it already). data.skip_corrupt does not
         apply: it drops unreadable source images before the file is written, and the file is rewritten instead."""
         try:
             info = os.stat(self.path)
@@ -259,36 +258,45 @@ def image_list(source, tick=lambda n: None):
     return listed
 
 
-def map_file(path):
-    """(a read-only uint8 array over path's bytes, its (device, inode, size)): the file as opened now, whatever is
-    renamed over its path later."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        info = os.fstat(fd)
-        mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if info.st_size else b""
-    finally:
-        os.close(fd)  # the mapping keeps the file
-    return np.frombuffer(mapping, dtype=np.uint8), (info.st_dev, info.st_ino, info.st_size)
+def open_file(path):
+    """(path's file opened for reading, its (device, inode, size)): the file as opened now, whatever is renamed over
+    its path later."""
+    file = open(path, "rb", buffering=0)
+    info = os.fstat(file.fileno())
+    return file, (info.st_dev, info.st_ino, info.st_size)
+
+
+def read_at(file, offset, nbytes):
+    """nbytes of file from offset, as a new uint8 array; None where the file ends before them."""
+    out = np.empty(nbytes, np.uint8)
+    view, done = memoryview(out), 0
+    while done < nbytes:  # a read may return less than asked
+        got = os.preadv(file.fileno(), [view[done:]], offset + done)
+        if got == 0:
+            return None
+        done += got
+    return out
 
 
 def open_cache(path, count):
-    """(header, index, (data, identity)) of a complete cache file of count images, mapped (map_file); StaleCache
+    """(header, index, (file, identity)) of a complete cache file of count images, opened (open_file); StaleCache
     says why it is not one."""
     try:
-        data, identity = map_file(path)
+        file, identity = open_file(path)
     except FileNotFoundError:
         raise StaleCache("not written yet") from None
     except OSError as e:
         raise StaleCache(f"cannot be read ({e.strerror or e})") from None
-    size = len(data)
+    size = identity[2]
     if size < FOOTER.size:
         raise StaleCache(f"{size} bytes, shorter than its footer: truncated")
-    magic, index_at, header_length, crc = FOOTER.unpack(data[size - FOOTER.size :])
+    magic, index_at, header_length, crc = FOOTER.unpack(read_at(file, size - FOOTER.size, FOOTER.size))
     if magic != MAGIC:
         raise StaleCache("no footer at its end: truncated, or not a cache file")
     if index_at + header_length + FOOTER.size > size:  # Python integers: no wrap
         raise StaleCache("its footer points past its end")
-    tail = data[index_at : size - FOOTER.size].tobytes()
+    tail = read_at(file, index_at, size - FOOTER.size - index_at)
+    tail = tail.tobytes() if tail is not None else b""
     if zlib.crc32(tail) != crc:
         raise StaleCache("its index does not match its checksum")
     header = json.loads(tail[len(tail) - header_length :])
@@ -296,7 +304,7 @@ def open_cache(path, count):
         raise StaleCache(f"{(len(tail) - header_length) // INDEX_DTYPE.itemsize} images, not the dataset's {count}")
     index = np.frombuffer(tail[: len(tail) - header_length], dtype=INDEX_DTYPE)
     check_rows(index, index_at, header)
-    return header, index, (data, identity)
+    return header, index, (file, identity)
 
 
 def check_rows(index, index_at, header):

@@ -16,7 +16,7 @@ import val
 from conftest import read_results, run_python, run_torchrun
 from data.cache import batch_to
 from data.datasets import build_datasets
-from data.jpeg_cache import FOOTER, INDEX_DTYPE, StaleCache, jpeg_datasets, open_cache
+from data.jpeg_cache import FOOTER, INDEX_DTYPE, StaleCache, jpeg_datasets, open_cache, read_at
 from data.transforms import crop_spec, val_transforms
 from test_cache import SIZES, data_cfg, per_image_epoch
 from utils.checkpoint import load_checkpoint
@@ -237,8 +237,8 @@ def test_recipe_check_names_what_the_jpeg_cache_cannot_do():
 
 def stored_images(path, count):
     """Each image's stored bytes in the cache file at path, and its index rows without their offsets."""
-    header, index, (data, _) = open_cache(path, count)
-    blobs = [data[o : o + n].tobytes() for o, n in zip(index["offset"].tolist(), index["nbytes"].tolist())]
+    header, index, (file, _) = open_cache(path, count)
+    blobs = [read_at(file, o, n).tobytes() for o, n in zip(index["offset"].tolist(), index["nbytes"].tolist())]
     return blobs, index[[name for name in index.dtype.names if name != "offset"]].tolist()
 
 
@@ -304,3 +304,23 @@ def test_a_jpeg_cache_run_stopped_mid_epoch_resumes_bit_identical_and_val_py_agr
     # val.py decodes per image: the same pixels as the cache's validation file, so the same top-1.
     metrics = val.main(["--weights", str(tmp_path / "whole" / "weights" / "last.pt"), f"--project={tmp_path}"])
     assert metrics["val/top1"] == pytest.approx(float(read_results(tmp_path / "whole")[1][-1]["val/top1"]), abs=1e-6)
+
+
+def rss_file():
+    """Bytes of files mapped into this process's resident memory (RssFile of /proc/self/status)."""
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("RssFile:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc/self/status")
+def test_reading_every_image_leaves_the_cache_file_out_of_the_process_memory(tmp_path):
+    # 60 validation images of 3 x 128 x 128 stored raw: a 2.8 MiB file. Mapped, reading each image once counted the
+    # whole file in the process's resident memory, so an epoch of ImageNet took its 140 GB into every process's.
+    root = smooth_folder(tmp_path / "data", [(128, 128)] * 60)
+    cfg = data_cfg(img_size=128, crop_pct=1.0, cache="jpeg", cache_dir=str(tmp_path / "cache"))
+    _, val_set = jpeg_sets(root, cfg)
+    assert val_set.nbytes > 60 * 3 * 128 * 128
+    val_set.__getitems__([0])  # the code paths of a read, loaded once
+    before = rss_file()
+    images = torch.cat([val_set.__getitems__(list(range(i, i + 10)))[0] for i in range(0, 60, 10)])
+    assert images.shape == (60, 3, 128, 128)
+    assert rss_file() - before < 0.25 * val_set.nbytes, (rss_file() - before, val_set.nbytes)
