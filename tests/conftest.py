@@ -77,6 +77,12 @@ def run_torchrun(*args, nproc=2, cwd=ROOT, timeout=600, launcher=("--standalone"
                       timeout=timeout)
 
 
+def console_lines(output, start):
+    """The lines of output that start with start: what the processes said, without torchrun's summary of a failure,
+    which quotes each failed rank's last line again, indented."""
+    return [line for line in output.splitlines() if line.startswith(start)]
+
+
 def read_results(run_dir):
     """results.csv of a run: (header, rows as dicts)."""
     with open(run_dir / "results.csv") as f:

@@ -9,6 +9,8 @@ it started (1-based; see StopVote):
     enospc-in-save:K         rank 0's save K fails with 'No space left on device'
     signal-at-step:S:NAME    rank 0 sends signal NAME (SIGTERM, SIGINT) to its process group during step S, as a
                              scheduler's preemption or a Ctrl-C in the terminal does
+    signal-torchrun-at-step:S:NAME  rank 0 sends signal NAME to torchrun's process group during step S, as Ctrl-C in
+                             the terminal does: torchrun's workers run in sessions of their own, and it passes it on
     kill-rank-at-step:S:R    on torchrun's first attempt only, rank R SIGKILLs itself during step S
     nan-loss-at-step:S:R     rank R's training loss is nan in its S-th step
     low-memory-on-rank:R:MB  rank R's machine seems to have MB MiB of memory available, and no cgroup limit
@@ -91,6 +93,11 @@ def send_signal(name):
         os.killpg(os.getpgid(0), getattr(signal, name))
 
 
+def send_signal_to_torchrun(name):
+    if RANK == 0:
+        os.killpg(os.getpgid(os.getppid()), getattr(signal, name))
+
+
 def kill_rank(rank):
     if RANK == int(rank) and RESTART_COUNT == 0:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -116,6 +123,7 @@ def low_memory_on_rank(rank, mib):
 
 FAULTS = {"killpg-after-save": on_save(save_then_killpg), "killpg-in-save": on_save(killpg_before_rename),
           "enospc-in-save": on_save(fail_with_enospc), "signal-at-step": on_step(send_signal),
+          "signal-torchrun-at-step": on_step(send_signal_to_torchrun),
           "kill-rank-at-step": on_step(kill_rank), "nan-loss-at-step": nan_loss_at_step,
           "low-memory-on-rank": low_memory_on_rank}
 

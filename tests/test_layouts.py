@@ -19,7 +19,7 @@ from PIL import Image
 import predict
 import train
 import val
-from conftest import read_results, run_torchrun
+from conftest import console_lines, read_results, run_torchrun
 from data.cache import RamImages
 from data.datasets import build_datasets, train_val_datasets
 from data.layouts import HoldOut, split_files
@@ -417,4 +417,4 @@ def test_ranks_that_list_different_images_stop_with_one_line_naming_them(tmp_pat
     assert (f"train.py: error: {root}: the ranks list different images: rank 0 on {host}: 12 / 6 images (train / "
             f"val), 2 classes; rank 1 on {host}: 11 / 6 images (train / val), 2 classes; every machine needs the same "
             f"copy of the dataset") in result.stderr
-    assert result.stderr.count("train.py: error:") == 1
+    assert len(console_lines(result.stderr, "train.py: error:")) == 1

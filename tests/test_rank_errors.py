@@ -30,7 +30,9 @@ def two_nodes(tmp_path, args, node1_args, node1_fault=None):
 
 
 def error_lines(output):
-    return [line for line in output.splitlines() if "train.py: error:" in line or " stopped: rank " in line]
+    """The ranks' last lines on the console (torchrun's summary quotes them again, indented)."""
+    return [line for line in output.splitlines()
+            if line.startswith("train.py: ") and ("train.py: error:" in line or " stopped: rank " in line)]
 
 
 def assert_reported(nodes, failed_rank, line):

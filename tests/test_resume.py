@@ -10,7 +10,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import ROOT, clean_env, make_image_folder, run_python, run_torchrun
+from conftest import ROOT, clean_env, console_lines, make_image_folder, run_python, run_torchrun
 from utils.checkpoint import load_checkpoint
 
 # 17 training images in batches of 8: 3 steps per epoch, the last one partial; at two processes rank 0 holds 9
@@ -128,7 +128,7 @@ def test_two_processes_preempted_killed_and_out_of_disk_resume_to_bit_identical_
     result = launch(2, "tests/faults.py", "enospc-in-save:2", "train.py", "--resume", run_dir)
     message = (f"train.py: error: cannot save checkpoint {run_dir / 'weights' / 'last.pt'}: No space left on "
                f"device; the previous checkpoint there, if any, is intact")
-    assert result.returncode != 0 and result.stderr.count(message) == 1
+    assert result.returncode != 0 and len(console_lines(result.stderr, message)) == 1
     assert position(run_dir) == (1, 1) and not (run_dir / "weights" / "last.pt.tmp").exists()
     # 4. Resumed from the middle of epoch 2 to the end.
     result = launch(2, "train.py", "--resume", run_dir)
@@ -153,7 +153,7 @@ def test_non_finite_loss_on_one_rank_stops_every_rank_and_keeps_the_last_good_ch
                     f"project={tmp_path}")
     assert result.returncode != 0
     message = "train.py: error: the training loss is not finite (nan or inf) at epoch 3, step 1/3"
-    assert result.stderr.count(message) == 1
+    assert len(console_lines(result.stderr, message)) == 1
     assert position(tmp_path / "exp") == (2, 0)  # the end of epoch 2: no later state was saved
     assert [r["epoch"] for r in results(tmp_path / "exp")] == ["1", "2"]
 

@@ -9,7 +9,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
 import train
-from conftest import read_results, run_torchrun
+from conftest import console_lines, read_results, run_torchrun
 from data.datasets import build_dataloader, build_datasets, dataset_root
 from data.transforms import normalizer, val_transforms
 from models import build_model
@@ -157,7 +157,7 @@ def test_unknown_key_exits_before_any_work(tmp_path, capsys):
 def test_unknown_key_under_torchrun_fails_on_every_rank_and_says_it_once(tmp_path):
     result = run_torchrun("train.py", "--recipe", "cls.yaml", "optim.lrr=0.1", f"project={tmp_path / 'runs'}")
     assert result.returncode != 0
-    assert result.stderr.count("train.py: error: command line: unknown key 'optim.lrr'") == 1
+    assert len(console_lines(result.stderr, "train.py: error: command line: unknown key 'optim.lrr'")) == 1
     assert not (tmp_path / "runs").exists()
 
 

@@ -6,13 +6,13 @@ import os
 import socket
 import sys
 import threading
+import time
 import uuid
 from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
 from utils.general import (LOCAL_RANK, LOCAL_WORLD_SIZE, RANK, RESTART_COUNT, SHARE_ONE_GPU, WORLD_SIZE, SharedError,
                            UsageError, error_line)
@@ -33,19 +33,25 @@ _job = {"token": None, "store": None, "stop": threading.Event(), "said": threadi
 
 def exit_on_error(script, error):
     """End this rank on a UsageError with code 2 and one line: rank 0 says its own; another rank says its own, naming
-    itself and its machine, unless rank 0 met the same (an error every rank meets is said once). Under torchrun the
+    itself and its machine, unless rank 0 says the same (an error every rank meets is said once). Under torchrun the
     error is first recorded in the job's store, where every other rank finds it (watch_failures)."""
     line, store = error_line(error), _job["store"]
-    if store is None:  # one process, or an error met before the process group was joined
-        if RANK == 0 or not isinstance(error, SharedError):
-            say(f"{script}: error: {line}" if RANK == 0 else f"{script}: error: rank {RANK} on {HOST}: {line}")
-        sys.exit(2)
-    record_failure(store, line)
-    if RANK == 0:
-        say(f"{script}: error: {line}")
-    elif failure_line(store, 0, FAILURE_GRACE_S) != line:
-        say(f"{script}: error: rank {RANK} on {HOST}: {line}")
+    if store is not None:
+        record_failure(store, line)
+    own = f"{script}: error: {line}" if RANK == 0 else f"{script}: error: rank {RANK} on {HOST}: {line}"
+    if RANK != 0 and said_by_rank0(store, error, line):
+        record_for_torchrun(own)  # not said twice, but torchrun's summary of this rank still shows its line
+    else:
+        say(own)
     sys.exit(2)
+
+
+def said_by_rank0(store, error, line):
+    """Whether rank 0 says this rank's error line too: an error every rank meets (before the group is joined, one
+    shared by its kind; after, one rank 0 recorded within FAILURE_GRACE_S)."""
+    if store is None:
+        return isinstance(error, SharedError)
+    return failure_line(store, 0, FAILURE_GRACE_S) == line
 
 
 def stop_if_another_rank_failed(script):
@@ -94,17 +100,32 @@ def say_stopped(script, first):
     except Exception:
         failed = {"host": "its machine", "line": "its error did not reach this rank"}
     if RANK == 0:
-        say(f"{script}: error: rank {first} on {failed['host']}: {failed['line']}")
+        line = f"{script}: error: rank {first} on {failed['host']}: {failed['line']}"
     else:
-        say(f"{script}: rank {RANK} on {HOST} stopped: rank {first} on {failed['host']} failed")
+        line = f"{script}: rank {RANK} on {HOST} stopped: rank {first} on {failed['host']} failed"
+    say(line, stopped_by_another=True)
 
 
-def say(text):
+def say(text, stopped_by_another=False):
     """Print this process's last line, once (the main thread and watch_failures may both come to it), and record it
-    for torchrun, whose summary then names the cause."""
+    for torchrun, whose summary then shows it."""
     if _job["store"] is None or _job["said"].acquire(blocking=False):
         print(text, file=sys.stderr, flush=True)
-        get_error_handler().record_exception(SharedError(text))
+        record_for_torchrun(text, stopped_by_another)
+
+
+def record_for_torchrun(line, stopped_by_another=False):
+    """Write line as this worker's error where torchrun reads it (TORCHELASTIC_ERROR_FILE, in the format of torch's
+    ErrorHandler), with no traceback: torchrun's summary shows the line alone. torchrun names as root cause the
+    error with the earliest time, in whole seconds; a rank stopped by another's failure records the next second,
+    so that the rank that failed is named, not a rank that stopped because of it."""
+    path = os.getenv("TORCHELASTIC_ERROR_FILE")
+    if not path:  # one process: no torchrun to tell
+        return
+    seconds = int(time.time()) + stopped_by_another
+    error = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(seconds)}}
+    with open(path, "w") as f:
+        json.dump({"message": error}, f)
 
 
 def watch_failures(script, store, stop):

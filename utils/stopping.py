@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from utils.general import LOGGER, SharedError
+from utils.general import LOCAL_RANK, LOGGER, SharedError
 from utils.metrics import BEST_METRIC_NAMES
 from utils.torch_utils import de_parallel
 
@@ -41,7 +41,8 @@ class StopVote:
         """Note the first stop signal; the training loop acts on it at the next step boundary."""
         if self.signal is None:
             self.signal, self.signal_time = signum, time.monotonic()
-            LOGGER.warning(f"\n{signal.Signals(signum).name}: stopping after the current step to save a checkpoint")
+            if LOCAL_RANK == 0:  # torchrun passes a signal on to every rank: said once on each machine's console
+                LOGGER.warning(f"\n{signal.Signals(signum).name}: stopping after the current step to save a checkpoint")
         elif signum == signal.SIGINT and time.monotonic() - self.signal_time > 1:
             raise KeyboardInterrupt
 

@@ -1,0 +1,55 @@
+"""What a user reads when a run under torchrun ends early: torchrun's summary of a usage error names the rank that met
+it, with the project's one line and none of its traceback; Ctrl-C is said once, and the run saves and says how to
+resume before torchrun ends with code 1."""
+
+import re
+import socket
+
+from conftest import ROOT, make_image_folder, run_torchrun
+
+HOST = socket.gethostname()
+RECIPE = ["--recipe", "cls.yaml", "train.batch_size=4", "model.width=4", "data.workers=0"]
+
+
+def project_frames(text):
+    """The traceback frames in text that are of this repository's files (torch's own are elsewhere)."""
+    files = re.findall(r'File "([^"<]+)"', text)
+    return [f for f in files if (ROOT / f).resolve().is_relative_to(ROOT)]
+
+
+def root_cause(stderr):
+    """The Root Cause entry of torchrun's summary: {field: value}."""
+    entry = stderr.split("Root Cause (first observed failure):\n", 1)[1].split("\n====", 1)[0]
+    return dict(re.findall(r"^  (\w+) *: (.*)$", entry, flags=re.M))
+
+
+def test_a_usage_error_one_rank_meets_is_torchruns_root_cause_as_one_line(tmp_path):
+    data = make_image_folder(tmp_path / "data", {"train": {"a": 6, "b": 6}, "val": {"a": 2, "b": 2}}, size=64)
+    # Rank 1 alone sees a machine with 0.3 MiB available: its RAM cache of 12 64x64 images is over its budget.
+    result = run_torchrun("tests/faults.py", "low-memory-on-rank:1:0.3", "train.py", *RECIPE, "train.epochs=1",
+                          f"data.name={data}", "data.cache=ram", "data.img_size=64", f"project={tmp_path / 'runs'}")
+    said = f"train.py: error: rank 1 on {HOST}: data.cache=ram: the first "
+    line = next((s for s in result.stderr.splitlines() if s.startswith(said)), None)
+    assert line is not None and "more than this process's budget" in line, result.stderr[-3000:]
+    cause = root_cause(result.stderr)
+    assert cause["rank"] == "1 (local_rank: 1)" and cause["exitcode"].startswith("2 "), result.stderr[-3000:]
+    assert cause["traceback"] == line
+    # Every failure torchrun lists is one line (rank 0 repeats rank 1's), with no frame of this project's files.
+    assert re.findall(r"^  traceback : (.*)\n(?!  )", result.stderr, flags=re.M) == [line, line]
+    assert project_frames(result.stderr) == [], result.stderr[-3000:]
+    assert result.returncode == 1  # torchrun's own code for a failed worker
+
+
+def test_ctrl_c_under_torchrun_is_said_once_saves_and_ends_with_code_1(tmp_path):
+    data = make_image_folder(tmp_path / "data", {"train": {"a": 6, "b": 6}, "val": {"a": 2, "b": 2}})
+    # Ctrl-C in the terminal reaches torchrun alone (its workers run in sessions of their own); it passes SIGINT on.
+    result = run_torchrun("tests/faults.py", "signal-torchrun-at-step:1:SIGINT", "train.py", *RECIPE,
+                          "train.epochs=20", f"data.name={data}", f"project={tmp_path / 'runs'}")
+    output = result.stdout + result.stderr
+    assert output.count("SIGINT: stopping after the current step to save a checkpoint") == 1, output[-3000:]
+    stopped = re.findall(r"^Stopped at epoch \d+, step \d+/3; saved (.+)\. Resume with:$", result.stdout, re.M)
+    assert stopped == [str(tmp_path / "runs" / "exp" / "weights" / "last.pt")], output[-3000:]
+    assert f"torchrun --nproc_per_node=2 train.py --resume {tmp_path / 'runs' / 'exp'}" in result.stdout
+    # torchrun raises its SignalException on receiving the signal, whatever its workers do: its own frames only.
+    assert "SignalException: Process" in result.stderr and project_frames(result.stderr) == []
+    assert result.returncode == 1
