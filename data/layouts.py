@@ -326,6 +326,14 @@ def read_split(path, remedy):
     return on_rank0(read)
 
 
+def held_out_folder(train_set, val_set):
+    """The folder that holds the val images alone (a root's val/), or None: data.val_split and CSV lists hold them
+    among the training images in one root, and CIFAR's are not files."""
+    if getattr(val_set, "samples", None) and Path(val_set.root) != Path(train_set.root):
+        return val_set.root
+    return None
+
+
 def save_split(run_dir, cfg, train_set, val_set):
     """With data.val_split, rank 0 saves the run's split as run_dir/split.json (atomically): the classes and the
     files each set holds, relative to data.name, for a resumed run and val.py to read instead of splitting again."""

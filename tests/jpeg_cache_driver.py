@@ -6,6 +6,7 @@ images it reads in CACHE/rank{RANK}.txt. FAULTS (comma-separated) make a rank's 
     (RANK may be all)
 """
 
+import os
 import signal
 import sys
 import time
@@ -29,6 +30,8 @@ def inject(fault):
     kind, rank, *seconds = fault.split(":")
     if rank not in ("all", str(RANK)):
         return
+    if kind == "hang":  # torchrun's SIGTERM ends the hung rank at once, not after its 30 s grace before SIGKILL
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))
 
     def faulty(encode):
         def sleep_and_encode(image):

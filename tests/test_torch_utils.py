@@ -139,7 +139,9 @@ def test_auto_workers_follow_the_data_path_and_device():
         assert tu.set_threads("auto", "bytes", "cuda", cores=8)[:2] == (6, 2)  # JPEG bytes, decoded on the GPU
         assert tu.set_threads("auto", device_type="cuda", cores=16, procs_per_machine=2)[:2] == (1, 7)
         assert tu.set_threads("auto", cores=8, procs_per_machine=2)[:2] == (2, 2)  # CPU, files: half and half
-        assert tu.set_threads("auto", cores=2, procs_per_machine=2)[:2] == (1, 0)  # one core: it computes
+        one_core = [tu.set_threads("auto", feed, device, cores=2, procs_per_machine=2)
+                    for feed in ("files", "bytes") for device in ("cpu", "cuda")]
+        assert all(got[:2] == (1, 0) and "one core per process" in got[2] for got in one_core)
         threads, workers, why = tu.set_threads("auto", "memory", cores=4)
         assert "data.cache=ram" in why and torch.get_num_threads() == 4
     finally:

@@ -1,5 +1,7 @@
 """train.py end to end: real runs on digits and tiny folders, their outputs, and failures before any work."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -9,13 +11,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
 import train
-from conftest import console_lines, read_results, run_torchrun
+from conftest import ROOT, console_lines, make_image_folder, read_results, run_python, run_torchrun
 from data.datasets import build_dataloader, build_datasets, dataset_root
 from data.transforms import normalizer, val_transforms
 from models import build_model
 from utils.checkpoint import load_checkpoint
-from utils.config import ModelConfig, Recipe, load_recipe
-from utils.loggers import COLUMNS, HPARAM_METRICS
+from utils.config import CHANGES_RESULTS_WHEN, ModelConfig, Recipe, flat_keys, load_recipe
+from utils.loggers import COLUMNS, TENSORBOARD_TAGS, RunLogger
 from utils.metrics import evaluate
 
 
@@ -95,8 +97,9 @@ def test_tensorboard_groups_scalars_and_holds_images_and_the_recipe_as_hparams(d
     steps = 30  # 1,437 images in global batches of 48
     assert [e.step for e in events.Scalars("val/top1")] == [steps * (i + 1) for i in range(len(rows))]
     assert [round(e.value, 6) for e in events.Scalars("val/top1")] == [float(r["val/top1"]) for r in rows]
-    assert set(events.Tags()["scalars"]) == {*(c for c in COLUMNS[1:] if "/ema_" not in c), "train/loss_step"}
-    assert all(tag.split("/")[0] in ("train", "val", "lr", "time") for tag in events.Tags()["scalars"])
+    assert set(events.Tags()["scalars"]) == {*(TENSORBOARD_TAGS.get(c, c) for c in COLUMNS[1:] if "/ema_" not in c),
+                                             "train/loss_step"}
+    assert [e.value for e in events.Scalars("x/lr")] == pytest.approx([float(r["lr/pg0"]) for r in rows], rel=1e-5)
     # The loss every 10 steps of each epoch, at the global step.
     assert [e.step for e in events.Scalars("train/loss_step")] == [e * steps + s for e in range(len(rows))
                                                                   for s in (10, 20, 30)]
@@ -106,14 +109,11 @@ def test_tensorboard_groups_scalars_and_holds_images_and_the_recipe_as_hparams(d
     wrong = events.Images("val/misclassified")  # each epoch that misclassified an image of rank 0's share
     assert [e.step for e in wrong] == sorted({e.step for e in wrong}) and wrong[0].step == steps
     assert events.Images("val/confusion_matrix")[-1].step == steps * len(rows)  # drawn at least for the last epoch
-    plugin = events.PluginTagToContent("hparams")
-    experiment = HParamsPluginData.FromString(plugin["_hparams_/experiment"]).experiment
-    assert [m.name.tag for m in experiment.metric_infos] == HPARAM_METRICS
-    hparams = HParamsPluginData.FromString(plugin["_hparams_/session_start_info"]).session_start_info.hparams
+    hparams = logged_hparams(events)
     recipe = load_recipe("cls.yaml")
     assert hparams["optim.lr"].number_value == recipe.optim.lr and hparams["model.name"].string_value == "convnet"
     assert hparams["data.scale"].string_value == str(list(recipe.data.scale))
-    assert hparams["project"].string_value == str(project)
+    assert "model.sync_bn" in hparams and "ddp.comm_hook" in hparams  # two processes
     recipe_text = events.Tensors("recipe/text_summary")[0].tensor_proto.string_val[0].decode()
     assert f"batch_size: {recipe.train.batch_size}" in recipe_text and f"project: {project}" in recipe_text
 
@@ -123,6 +123,56 @@ def test_results_png_is_drawn(digits_run):
     with Image.open(project / "exp" / "results.png") as image:
         image.verify()
         assert image.format == "PNG" and image.size == (1300, 360)
+
+
+def logged_events(run_dir, overrides=()):
+    """The TensorBoard events of a RunLogger for cls.yaml with overrides, through one epoch with EMA metrics (no
+    training)."""
+    logger = RunLogger(run_dir, load_recipe("cls.yaml", list(overrides)), ["a", "b"])
+    logger.log_step(5, 1.0)
+    logger.log_epoch({**dict.fromkeys(COLUMNS, 0.5), "epoch": 1, "confusion": None, "wrong": []}, 10)
+    logger.close()
+    return EventAccumulator(str(run_dir), size_guidance={"scalars": 0}).Reload()
+
+
+def logged_hparams(events):
+    """The recipe keys and values a run logged for TensorBoard's HParams tab."""
+    content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    return HParamsPluginData.FromString(content).session_start_info.hparams
+
+
+def test_hparams_hold_augmix_severity_only_with_augmix_on(tmp_path):
+    off = logged_hparams(logged_events(tmp_path / "off"))
+    on = logged_hparams(logged_events(tmp_path / "on", ["data.auto_augment=augmix", "data.cache=none",
+                                                        "data.augmix_severity=5"]))
+    assert off["data.auto_augment"].string_value == "" and "data.augmix_severity" not in off
+    assert on["data.auto_augment"].string_value == "augmix" and on["data.augmix_severity"].number_value == 5
+
+
+def test_hparams_hold_what_changes_results_not_where_the_run_goes(tmp_path):
+    hparams = logged_hparams(logged_events(tmp_path))
+    assert {"model.name", "model.width", "data.scale", "optim.lr", "sched.warmup_factor", "seed"} <= set(hparams)
+    # Inert in this run: a pretrained model's, an EMA's, another schedule's, several processes' keys.
+    assert not {"model.backbone_lr", "train.ema_steps", "sched.gamma", "ddp.comm_hook"} & set(hparams)
+    assert not {"project", "name", "device", "data.workers", "train.log_every_steps"} & set(hparams)
+    assert set(CHANGES_RESULTS_WHEN) <= set(flat_keys(OmegaConf.to_container(OmegaConf.structured(Recipe))))
+
+
+def test_hparams_metrics_are_the_scalars_with_the_val_results_among_the_five_shown(tmp_path):
+    events = logged_events(tmp_path)
+    # No experiment summary: TensorBoard builds the table from every run's keys, and its metrics from the scalar
+    # tags, sorted, showing the first five.
+    assert set(events.PluginTagToContent("hparams")) == {"_hparams_/session_start_info"}
+    shown = sorted(events.Tags()["scalars"])[:5]
+    assert shown == ["train/loss", "train/loss_step", "val/balanced_top1", "val/loss", "val/top1"]
+
+
+def test_scalar_groups_sort_train_and_val_first_and_results_csv_keeps_its_columns(tmp_path):
+    events = logged_events(tmp_path)
+    groups = sorted({tag.split("/")[0] for tag in events.Tags()["scalars"]})
+    assert groups == ["train", "val", "val_ema", "x"]  # TensorBoard opens the first two groups
+    assert {"val_ema/top1", "x/lr", "x/epoch_time", "x/img_s"} <= set(events.Tags()["scalars"])
+    assert read_results(tmp_path)[0] == COLUMNS
 
 
 def test_single_process_on_user_folder_with_few_classes_from_10_class_weights(image_folder, tmp_path, log):
@@ -265,3 +315,24 @@ def test_an_unknown_model_name_fails_with_the_recipe_before_any_work(tmp_path, c
     err = capsys.readouterr().err
     assert e.value.code == 2 and "model.name='resnt18': no such model" in err and "(closest: 'resnet18')" in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_val_split_run_and_its_resume_say_what_they_trained_and_what_comes_next(tmp_path):
+    """Paths as typed (relative to where train.py runs) before and after a resume; this launch's epochs and time; a
+    predict command on new images, not on the root whose val images lie among the training ones."""
+    make_image_folder(tmp_path / "data", {"": {"cat": 6, "dog": 6}}, size=16)  # class folders in the root
+    short = ["data.workers=0", "train.batch_size=4"]
+    first = run_python(ROOT / "train.py", "--recipe", "cls.yaml", "data.name=data", "data.val_split=0.34",
+                       "train.epochs=1", "data.img_size=16", *short, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    best = "runs/train/exp/weights/best.pt"
+    assert re.search(r"\n1 epoch in [\d.]+s\. Results saved to runs/train/exp ", first.stdout), first.stdout
+    assert f"  python predict.py --weights {best} --source path/to/new_images     # a folder of new images\n" \
+        in first.stdout
+    resumed = run_python(ROOT / "train.py", "--resume", "runs/train/exp", "train.epochs=3", *short, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert re.search(r"\n2 epochs in [\d.]+s, resumed at epoch 2, step 0; 3 in all\. Results saved to runs/train/exp ",
+                     resumed.stdout), resumed.stdout
+    assert f"  python val.py --weights {best}\n" in resumed.stdout
+    assert "train.epochs=3, the run was planned for 1: from here the lr follows the schedule of 3 epochs, so it " \
+           "moves at once from" in resumed.stdout

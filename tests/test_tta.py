@@ -1,9 +1,11 @@
 """Test-time augmentation (the mean softmax of each image and its horizontal flip) in evaluate(), train.py, val.py
 and predict.py; predict.py --save-images: each image with its top-k drawn on it, and contact sheets."""
 
+import csv
 import json
 import math
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import predict
 import train
 import val
-from conftest import read_results
+from conftest import make_image_folder, read_results
 from utils.general import DATASETS_DIR
 from utils.metrics import evaluate
 from utils.plots import annotated_image, label_font
@@ -142,6 +144,35 @@ def test_predict_save_images_draws_each_images_top_k_and_contact_sheets_of_them(
     assert Image.open(out / "contact_sheet.jpg").size == (2 * 130, 142)
     assert Image.open(out / "contact_sheet_2.jpg").size == (130, 142)
     assert not (out / "contact_sheet_3.jpg").exists() and len(rows) == 3
+
+
+def shows(drawn, source):
+    """Whether a drawn copy shows the source image: below its text box, the source enlarged by a whole factor."""
+    drawn, source = np.array(Image.open(drawn)), np.array(Image.open(source).convert("RGB"))
+    factor = drawn.shape[0] // source.shape[0]
+    enlarged = source.repeat(factor, axis=0).repeat(factor, axis=1)
+    return drawn.shape == enlarged.shape and np.array_equal(drawn[128:], enlarged[128:])
+
+
+def test_predict_save_images_names_each_images_drawn_copy_in_predictions_csv(tta_run, tmp_path):
+    weights, _ = tta_run
+    source = make_image_folder(tmp_path, {"src": {"cat": 2, "dog": 2}}) / "src"  # cat/000.png, dog/000.png, ...
+    rows, _ = predict.main(["--weights", str(weights), "--source", str(source), "--save-images",
+                            "--project", str(tmp_path / "p")])
+    out = tmp_path / "p" / "exp"
+    with open(out / "predictions.csv") as f:
+        table = list(csv.DictReader(f))
+    drawn = [r["drawn"] for r in table]
+    assert [r["file"] for r in table] == [str(p) for p in sorted(source.rglob("*.png"))]
+    assert sorted(Path(d).name for d in drawn) == ["000.png", "000_2.png", "001.png", "001_2.png"]
+    assert all(Path(d).parent == out / "images" and Path(d).is_file() for d in drawn)
+    assert all(shows(r["drawn"], r["file"]) for r in table)
+    assert not shows(table[0]["drawn"], table[2]["file"])  # cat/000 and dog/000 differ: a swap would be seen
+    assert [r["drawn"] for r in json.loads((out / "predictions.json").read_text())["predictions"]] == drawn
+    assert [r["drawn"] for r in rows] == drawn
+    predict.main(["--weights", str(weights), "--source", str(source), "--project", str(tmp_path / "p")])
+    with open(tmp_path / "p" / "exp2" / "predictions.csv") as f:
+        assert "drawn" not in next(csv.reader(f))  # nothing drawn, no column
 
 
 def test_class_names_with_accents_are_drawn_not_replaced_by_boxes():

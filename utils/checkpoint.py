@@ -1,6 +1,7 @@
 """Checkpoints: plain state_dicts written atomically and durably, loaded without unpickling code, found for --resume;
 a training run's state saved into one and restored from it."""
 
+import math
 import os
 import pickle
 from pathlib import Path
@@ -117,6 +118,19 @@ def find_resume_checkpoint(resume, project):
     return path
 
 
+def warn_of_a_rescheduled_lr(path, ckpt, epochs, lr):
+    """A run resumed with another train.epochs follows the schedule of the new length from where it is: say so
+    when that moves the lr (a shorter cosine lowers it at once, a longer one raises it). lr: the highest of the
+    groups' (a fine-tuned head's), as the schedule now sets it."""
+    planned = ckpt["recipe"]["train"]["epochs"]
+    saved_lr = max(group["lr"] for group in ckpt["optimizer"]["param_groups"])
+    if planned == epochs or math.isclose(lr, saved_lr, rel_tol=1e-6, abs_tol=1e-12):
+        return
+    change = f" ({lr / saved_lr - 1:+.0%})" if saved_lr else ""
+    LOGGER.warning(f"{path}: train.epochs={epochs}, the run was planned for {planned}: from here the lr follows the "
+                   f"schedule of {epochs} epochs, so it moves at once from {saved_lr:.4g} to {lr:.4g}{change}")
+
+
 def run_dir_of(checkpoint_path):
     """The run directory a checkpoint belongs to: the parent of its weights/ folder."""
     path = Path(checkpoint_path).resolve()
@@ -147,7 +161,8 @@ def save_state(state, recipe, classes, train_images, paths, best_from_ema=False)
 
 def restore(state, path, ckpt, classes, epochs, train_images=None):
     """Load a checkpoint into state: weights, optimizer, schedule, scaler, position and this rank's random state.
-    train_images: how many the data holds now, to warn when the checkpoint was trained on another number."""
+    epochs: the resumed run's train.epochs, to warn when another length moves the lr; train_images: how many the
+    data holds now, to warn when the checkpoint was trained on another number."""
     if ckpt["classes"] != list(classes):
         raise SharedError(f"{path}: trained on {len(ckpt['classes'])} classes {ckpt['classes'][:5]}..., but the "
                           f"data has {len(classes)} classes {list(classes)[:5]}...; resume with the same data")
@@ -156,14 +171,12 @@ def restore(state, path, ckpt, classes, epochs, train_images=None):
     except RuntimeError as e:
         raise SharedError(f"{path}: its weights do not fit the model of its recipe: "
                           f"{state_dict_mismatch(e)}") from None
-    if (ckpt["epoch"], ckpt["step"]) >= (epochs, 0):
-        raise SharedError(f"{path}: the run has already trained all {epochs} epochs; to train longer, resume with "
-                          f"train.epochs=N (N > {epochs})")
     state.optimizer.load_state_dict(ckpt["optimizer"])
     state.scheduler.load_state_dict(ckpt["scheduler"])
     for group, base_lr, factor in zip(state.optimizer.param_groups, state.scheduler.base_lrs,
                                       state.scheduler.lr_lambdas):  # a changed train.epochs changes the schedule
         group["lr"] = base_lr * factor(state.scheduler.last_epoch)
+    warn_of_a_rescheduled_lr(path, ckpt, epochs, max(group["lr"] for group in state.optimizer.param_groups))
     state.scaler.load_state_dict(ckpt["scaler"])
     if state.ema is not None:
         state.ema.load_state_dict(ckpt["ema"])

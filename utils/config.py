@@ -135,6 +135,53 @@ RESUME_KEYS = ("train.epochs", "train.patience", "train.save_every_steps", "trai
 # order of fp32 sums, so a run resumed with another hook would not be the run it continues.
 
 
+def always(cfg):
+    """For keys that change what every run learns."""
+    return True
+
+
+def never(cfg):
+    """For keys that set where a run is saved, what it logs or how fast it goes (up to float rounding), never what
+    it learns: comparing runs on them says nothing about their results."""
+    return False
+
+
+def several_processes(cfg):
+    """For keys of DDP and SyncBatchNorm, inert in a single process."""
+    return WORLD_SIZE > 1
+
+
+# When a key changes what a run learns, as a predicate on the resolved recipe: a key waits on the key that switches
+# it on, or on the model, optimizer or schedule it belongs to; a key not listed here always does. TensorBoard's HParams
+# tab holds only the keys that do (results_keys), so runs compare on what made them differ.
+CHANGES_RESULTS_WHEN = {
+    **dict.fromkeys(("model.width", "model.depth", "model.dropout", "model.norm"),
+                    lambda cfg: cfg.model.name == "convnet"),
+    "model.sync_bn": several_processes,
+    **dict.fromkeys(("model.backbone_lr", "model.freeze_epochs"), lambda cfg: bool(cfg.model.weights)),
+    "data.scale": lambda cfg: cfg.data.crop_padding == 0,
+    "data.ra_magnitude": lambda cfg: cfg.data.auto_augment == "randaugment",
+    "data.augmix_severity": lambda cfg: cfg.data.auto_augment == "augmix",
+    "data.mix_switch_prob": lambda cfg: cfg.data.mixup_alpha > 0 and cfg.data.cutmix_alpha > 0,
+    "data.jpeg_decode": lambda cfg: cfg.data.cache == "jpeg",  # a GPU decoder may round pixels otherwise
+    "train.ema_steps": lambda cfg: cfg.train.ema_decay > 0,
+    "optim.nesterov": lambda cfg: cfg.optim.name == "sgd" and cfg.optim.momentum > 0,
+    "sched.warmup_factor": lambda cfg: cfg.sched.warmup_epochs > 0,
+    "sched.min_lr_factor": lambda cfg: cfg.sched.name == "cosine",
+    "sched.step_epochs": lambda cfg: cfg.sched.name == "step",
+    "sched.milestones": lambda cfg: cfg.sched.name == "multistep",
+    "sched.gamma": lambda cfg: cfg.sched.name in ("step", "multistep"),
+    "ddp.comm_hook": several_processes,
+    # device and data.workers are mostly 'auto', a request rather than what ran; train.deterministic trades speed
+    # for runs that repeat exactly.
+    **dict.fromkeys(("project", "name", "device", "data.workers", "data.cache_dir", "data.skip_corrupt",
+                     "data.csv_allow_outside", "train.log_every_steps", "train.save_every_steps", "train.compile",
+                     "train.channels_last", "train.deterministic", "ddp.bucket_cap_mb",
+                     "ddp.gradient_as_bucket_view"), never),
+}
+# Not train.accumulate, which a resume may change too: BatchNorm sees each micro-batch's statistics.
+
+
 class RecipeError(SharedError):
     """A recipe that cannot be used, with a message naming the key and the file."""
 
@@ -274,6 +321,11 @@ def check_resumable(saved, resumed, source):
             raise RecipeError(f"{source}: {key}={new!r} cannot change on resume: the run so far was trained with "
                               f"{key}={old!r}; only {', '.join(RESUME_KEYS)} may change (start a new run for the "
                               f"others)")
+
+
+def results_keys(cfg):
+    """The dotted keys that change what this run learns (CHANGES_RESULTS_WHEN), in the schema's order."""
+    return [key for key in flat_keys(OmegaConf.to_container(cfg)) if CHANGES_RESULTS_WHEN.get(key, always)(cfg)]
 
 
 def flat_keys(tree, prefix=""):

@@ -10,14 +10,20 @@ from contextlib import contextmanager
 import torch
 from omegaconf import OmegaConf
 
-from utils.config import flat_keys
+from utils.config import results_keys
 from utils.plots import confusion_figure, figure_array, labelled_grid, results_figure, save_figure
 
-# results.csv's columns, also the TensorBoard tags of the epoch scalars, grouped as train/, val/, lr/ and time/.
+# results.csv's columns, also the TensorBoard tags of the epoch scalars but for those TENSORBOARD_TAGS renames.
 COLUMNS = ["epoch", "train/loss", "val/loss", "val/top1", "val/balanced_top1", "val/top5", "val/ema_loss",
            "val/ema_top1", "val/ema_balanced_top1", "val/ema_top5", "lr/pg0", "time/epoch",
            "time/img_s"]  # val/ema_*: blank without EMA; balanced_top1: the mean recall of the classes in val
-HPARAM_METRICS = ["val/top1", "val/balanced_top1", "val/top5", "val/loss", "train/loss"]  # beside the recipe in HParams
+# TensorBoard lists tag groups (the part before '/') alphabetically and opens the first two; its HParams tab takes
+# its metrics from the scalar tags, sorted, and shows the first five. So lr/ and time/ go under x/, which sorts last
+# (yolov5's name for it), and the EMA's metrics under val_ema/, after val/: the scalars open on train/ and val/, and
+# HParams on train/loss, train/loss_step, val/balanced_top1, val/loss and val/top1, with or without EMA.
+TENSORBOARD_TAGS = {"val/ema_loss": "val_ema/loss", "val/ema_top1": "val_ema/top1",
+                    "val/ema_balanced_top1": "val_ema/balanced_top1", "val/ema_top5": "val_ema/top5",
+                    "lr/pg0": "x/lr", "time/epoch": "x/epoch_time", "time/img_s": "x/img_s"}
 PLOT_SHARE = 0.02  # matplotlib plots may take this share of the run's time (each costs about 0.3-1 s on a CPU)
 WRONG_SHOWN = 32  # misclassified val images shown per epoch
 
@@ -46,15 +52,20 @@ class RunLogger:
             self.tb = SummaryWriter(str(run_dir), purge_step=done[1] + 1)
 
     def write_hparams(self, cfg):
-        """The flattened recipe in TensorBoard's HParams tab, beside the latest values of HPARAM_METRICS."""
+        """The recipe keys that change what this run learns (results_keys) for TensorBoard's HParams tab, where its
+        latest scalars are the metrics.
+
+        Only the session's start is written, not torch's experiment summary: without one TensorBoard builds the
+        table from every run's keys and lists first those whose values differ between runs (it shows five keys and
+        five metrics, keys always left of metrics). With one, it would take an arbitrary run's keys, alphabetically,
+        and a key that acts in other runs only (data.augmix_severity, with AugMix off in that run) would have no
+        column."""
         from torch.utils.tensorboard.summary import hparams
 
-        recipe = OmegaConf.to_container(cfg)
-        values = {key: OmegaConf.select(cfg, key) for key in flat_keys(recipe)}
+        values = {key: OmegaConf.select(cfg, key) for key in results_keys(cfg)}
         values = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in values.items()}
-        experiment, session_start, _ = hparams(values, dict.fromkeys(HPARAM_METRICS, 0.0))
-        for summary in (experiment, session_start):
-            self.tb.file_writer.add_summary(summary)
+        _, session_start, _ = hparams(values, {})
+        self.tb.file_writer.add_summary(session_start)
 
     def log_batch(self, images, targets):
         """A grid of (augmented uint8) training images captioned with their class names."""
@@ -77,7 +88,7 @@ class RunLogger:
             writer.writerow([format_value(metrics[c]) for c in COLUMNS])
         for name in COLUMNS[1:]:
             if metrics[name] is not None:
-                self.tb.add_scalar(name, metrics[name], global_step)
+                self.tb.add_scalar(TENSORBOARD_TAGS.get(name, name), metrics[name], global_step)
         if metrics["wrong"]:
             images, true, predicted = zip(*metrics["wrong"][:WRONG_SHOWN])
             labels = [f"{self.classes[t]} as {self.classes[p]}" for t, p in zip(true, predicted)]

@@ -13,7 +13,8 @@ def build_optimizer(model, cfg, head=None, backbone_lr=1.0):
     Fine-tuning (head: the new head's parameter names): the rest, the pretrained part, learns at optim.lr x
     backbone_lr, in groups marked 'backbone' (build_scheduler can freeze them)."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    # The head first: group 0, logged as lr/pg0, follows optim.lr's schedule with or without fine-tuning.
+    # The head first: group 0, logged as lr/pg0 (TensorBoard: x/lr), follows optim.lr's schedule with or without
+    # fine-tuning.
     parts = [(False, named)] if head is None else [(False, [(n, p) for n, p in named if n in head]),
                                                    (True, [(n, p) for n, p in named if n not in head])]
     groups = []

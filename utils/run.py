@@ -28,6 +28,7 @@ def prepare_run(args, model_check=None, settle=None):
         project = parse_overrides(args.overrides).get("project", Recipe.project)
         run_dir, path, ckpt = on_rank0(read_resume, args.resume, project)
         cfg = load_resumed_recipe(ckpt["recipe"], args.overrides, source=path, model_check=model_check)
+        check_unfinished(path, ckpt, cfg.train.epochs)  # before any data is read
         return settle(cfg) if settle else cfg, Path(run_dir), (path, ckpt)
     cfg = load_recipe(args.recipe or "cls.yaml", args.overrides, model_check=model_check)
     cfg = settle(cfg) if settle else cfg
@@ -36,6 +37,7 @@ def prepare_run(args, model_check=None, settle=None):
         if ckpt is not None:
             saved = load_resumed_recipe(ckpt["recipe"], source=path, model_check=model_check)
             check_resumable(saved, cfg, "the recipe on restart")
+            check_unfinished(path, ckpt, cfg.train.epochs)
         LOGGER.info(f"torchrun restart {RESTART_COUNT}: continuing {run_dir or 'a new run'} "
                     f"{'from ' + path if path else 'from the start'}")
         return cfg, run_dir and Path(run_dir), (path, ckpt) if ckpt is not None else None
@@ -47,7 +49,7 @@ def read_resume(resume, project):
     path = find_resume_checkpoint(resume, project)
     ckpt = load_training_checkpoint(path)
     check_latest(path, ckpt)
-    return str(run_dir_of(path)), str(path), ckpt
+    return str(short_path(run_dir_of(path))), str(path), ckpt  # as typed: relative where it lies below here
 
 
 def read_restarted_run(project, name):
@@ -83,6 +85,13 @@ def check_latest(path, ckpt):
             raise UsageError(f"--resume {path}: not the run's latest state (saved {saved_at(ckpt)}, {last} "
                              f"{saved_at(latest)}); resuming from it would rewind the run. Resume from {last}, or "
                              f"start a new run from its weights with model.weights={path}")
+
+
+def check_unfinished(path, ckpt, epochs):
+    """Refuse to resume a run that has trained all its train.epochs (as the recipe says, overrides included)."""
+    if (ckpt["epoch"], ckpt["step"]) >= (epochs, 0):
+        raise SharedError(f"{path}: the run has already trained all {epochs} epochs; to train longer, resume with "
+                          f"train.epochs=N (N > {epochs})")
 
 
 def saved_at(ckpt):
@@ -125,15 +134,24 @@ def resume_command(run_dir):
     return f"torchrun --nproc_per_node={LOCAL_WORLD_SIZE}{extra} train.py --resume {run_dir}"
 
 
-def next_steps(run_dir, state, seconds, val_folder):
-    """The end of a run: where its results are, its best score, and the commands that use them."""
+def next_steps(run_dir, state, seconds, held_out, started_at=(0, 0)):
+    """The end of a run: what this launch trained in how long, where the results are, the best score, and the
+    commands that use them. held_out: the folder of the val images alone, or None where they lie among the
+    training images (data.val_split, a CSV list) or are not files; started_at: the (epoch, step) this launch
+    started from, a resumed run's."""
     best = shlex.quote(str(run_dir / "weights" / "best.pt"))  # pasted into a shell as printed
-    return (f"\n{state.epoch} epochs in {seconds:.1f}s. Results saved to {colorstr('bold', str(run_dir))} "
-            f"(results.csv, results.png, TensorBoard events, weights/)\nBest {BEST_METRIC_NAMES[state.best_metric]} "
-            f"{state.best_top1:.2%} at epoch {state.best_epoch}: {best}\nNext:\n"
+    epochs = state.epoch - started_at[0]
+    resumed = f", resumed at epoch {started_at[0] + 1}, step {started_at[1]}; {state.epoch} in all" if any(
+        started_at) else ""
+    source = shlex.quote(str(short_path(held_out))) if held_out else "path/to/new_images"
+    return (f"\n{epochs} epoch{'s' * (epochs != 1)} in {seconds:.1f}s{resumed}. Results saved to "
+            f"{colorstr('bold', str(run_dir))} (results.csv, results.png, TensorBoard events, weights/)\n"
+            f"Best {BEST_METRIC_NAMES[state.best_metric]} {state.best_top1:.2%} at epoch {state.best_epoch}: {best}\n"
+            f"Next:\n"
             f"  tensorboard --logdir {shlex.quote(str(run_dir.parent))}\n"
             f"  python val.py --weights {best}\n"
-            f"  python predict.py --weights {best} --source {shlex.quote(str(short_path(val_folder)))}\n"
+            f"  python predict.py --weights {best} --source {source}"
+            f"{'' if held_out else '     # a folder of new images'}\n"
             f"  python export.py --weights {best} --format onnx")
 
 

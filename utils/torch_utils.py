@@ -99,6 +99,8 @@ def auto_workers(cores, feed, device_type):
     two workers read ahead."""
     if feed == "memory":
         return 0, "auto: data.cache=ram, every core computes"
+    if cores == 1:  # no core to spare: the process decodes between its steps
+        return 0, "auto: one core per process, which both decodes and computes"
     if feed == "bytes":
         return min(2, cores - 1), "auto: JPEGs decoded on the device; workers only read their bytes"
     if device_type == "cuda":
