@@ -28,6 +28,7 @@ from tqdm import tqdm
 from data.cache import batch_to
 from data.datasets import balanced_class_weights, input_feed, set_epoch, training_data
 from data.layouts import held_out_folder, save_split
+from data.shard_sets import check_same_shards
 from data.transforms import crop_spec, normalizer, val_size
 from models import build_model, check_input_size, check_model_name, start_from
 from models.pretrained import fine_tuning, follow_weights, freeze_batchnorm
@@ -83,6 +84,7 @@ class Loop:
     recipe: dict  # the resolved recipe, saved in every checkpoint
     classes: list
     train_images: int
+    data_identity: dict | None = None  # a shard set's shards and their SHA-256, which a resume must find unchanged
 
 
 def parse_args(argv=None):
@@ -142,6 +144,7 @@ def train(cfg, vote, dtype, run_dir=None, resume=None):
     steps = train_loader.sampler.steps()[0]
     state = build_state(cfg, len(classes), device, dtype, steps, pretrained=not resume)
     if resume:
+        check_same_shards(*resume, train_set)
         restore(state, *resume, classes, cfg.train.epochs, len(train_set))
     if WORLD_SIZE > 1:  # after restore: DDP starts every rank from rank 0's weights
         state.model = smart_DDP(state.model, device, **cfg.ddp)
@@ -161,7 +164,7 @@ def train(cfg, vote, dtype, run_dir=None, resume=None):
                        ) if RANK == 0 else None
     loop = Loop(OmegaConf.to_object(cfg), train_loader, val_loader, normalizer(cfg.data, device), mix,
                 build_criterion(cfg.train, train_set, device), dtype, vote, logger, run_dir,
-                OmegaConf.to_container(cfg), list(classes), len(train_set))
+                OmegaConf.to_container(cfg), list(classes), len(train_set), getattr(train_set, "identity", None))
     start, started_at = time.time(), (state.epoch, state.step)
     for epoch in range(state.epoch, cfg.train.epochs):
         epoch_start = time.time()
@@ -339,7 +342,7 @@ def save(loop, state, epoch, *names, best_from_ema=False):
     if loop.logger:
         loop.logger.flush()
     save_state(state, loop.recipe, loop.classes, loop.train_images, [loop.run_dir / "weights" / n for n in names],
-               best_from_ema)
+               best_from_ema, loop.data_identity)
     return stop
 
 

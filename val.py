@@ -79,7 +79,7 @@ def validate(args):
     precision, dtype = inference_precision(args.precision, cfg.train.precision, device)
     _, workers, _ = set_threads(cfg.data.workers if args.workers is None else args.workers, device_type=device.type)
     dataset = named_eval_dataset(args.data or cfg.data.name, args.split, val_transforms(cfg.data), classes,
-                                 args.weights, cfg.data.csv_allow_outside)
+                                 args.weights, cfg.data.csv_allow_outside, cfg.data.cache_dir)
     if cfg.data.skip_corrupt and hasattr(dataset, "samples"):  # as training did: its recorded top-1 left them out
         skipped = skip_unreadable(dataset)
         if skipped and RANK == 0:

@@ -10,14 +10,16 @@ of whole training steps for
   (b) per image: PIL decodes and crops each JPEG in the DataLoader workers (data.cache=none);
   (c) JPEG cache decoded in the workers by torchvision.io.decode_jpeg (data.cache=jpeg data.jpeg_decode=cpu);
   (d) JPEG cache decoded on the GPU by nvJPEG, a batch per call (data.cache=jpeg data.jpeg_decode=device);
+  (e) the same photos as WebDataset shards (python -m data.shards), decoded in the workers;
+  (f) those shards decoded on the GPU by nvJPEG;
 
 each with torch.compile off and on, printed as a ratio to (a) with the same compile setting.
 
 Without CUDA a CPU is the model's bottleneck, so the script times the input paths alone: cropped uint8 batches
-delivered on the device per second for (b), (c) and (d) (decoding in the main process), alternating the paths for
+delivered on the device per second for (b) to (f) (decoding in the main process), alternating the paths for
 --rounds rounds, medians printed as ratios to (b).
 
-    python benchmarks/gpu.py [--images 4000] [--batch 256] [--steps 30] [--rounds 3]
+    python benchmarks/gpu.py [--images 4000] [--batch 256] [--steps 30] [--compile both] [--rounds 3]
 """
 
 import argparse
@@ -35,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from data.cache import batch_to  # noqa: E402
+from data.shards import main as write_shards  # noqa: E402
 from data.datasets import build_dataloader, input_feed, set_epoch, training_datasets  # noqa: E402
 from data.transforms import crop_spec, normalizer  # noqa: E402
 from models import build_model  # noqa: E402
@@ -46,6 +49,8 @@ from utils.torch_utils import compiled, memory_format, set_threads  # noqa: E402
 PATHS = {"(b) per image, PIL in workers": ["data.cache=none"],
          "(c) JPEG cache, decoded in workers": ["data.cache=jpeg", "data.jpeg_decode=cpu"],
          "(d) JPEG cache, decoded on the device": ["data.cache=jpeg", "data.jpeg_decode=device"]}
+SHARDS = {"(e) shards, decoded in workers": ["data.jpeg_decode=cpu"],
+          "(f) shards, decoded on the device": ["data.jpeg_decode=device"]}
 ONLY_CROPS = ["data.auto_augment=''", "data.random_erase=0", "data.mixup_alpha=0", "data.cutmix_alpha=0",
               "data.repeats=1"]
 
@@ -125,7 +130,7 @@ def on_gpu(root, args, device):
     print(f"{torch.cuda.get_device_name(device)}, {cpu_count()} CPU cores; ResNet-50 at 176 px, bf16, channels_last, "
           f"batch {args.batch}; {args.steps} timed steps after {args.warmup}; images/s")
     print(f"{'path':40s} {'compile':>7s} {'img/s':>8s} {'of (a)':>7s}")
-    for compile_model in (False, True):
+    for compile_model in {"both": (False, True), "off": (False,), "on": (True,)}[args.compile]:
         cfg = recipe(root, args.batch, PATHS["(b) per image, PIL in workers"], compile_model)
         step = trainer(cfg, device)
         images = torch.randint(0, 256, (args.batch, 3, 176, 176), dtype=torch.uint8, device=device)
@@ -135,7 +140,8 @@ def on_gpu(root, args, device):
         for name, overrides in PATHS.items():
             cfg = recipe(root, args.batch, overrides, compile_model)
             loader, workers = loader_of(cfg, device)
-            speed = rate(batches(loader, device, crop_spec(cfg.data)), args.steps, args.warmup, step, device)
+            warmup = max(args.warmup, len(loader) + 1)  # an epoch's partial last batch compiles a graph of its own
+            speed = rate(batches(loader, device, crop_spec(cfg.data)), args.steps, warmup, step, device)
             print(f"{name + f' ({workers} workers)':40s} {str(compile_model):>7s} {speed:8.0f} {speed / limit:7.2f}",
                   flush=True)
 
@@ -164,13 +170,16 @@ def main():
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=30, help="timed batches per path")
     parser.add_argument("--warmup", type=int, default=5, help="untimed batches first (compilation, workers)")
+    parser.add_argument("--compile", choices=("both", "off", "on"), default="both", help="GPU: torch.compile")
     parser.add_argument("--rounds", type=int, default=3, help="CPU: rounds over the paths")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         root = write_photos(Path(tmp) / "photos", args.images)
-        print(f"wrote {args.images} JPEGs in {time.perf_counter() - start:.0f}s", flush=True)
+        write_shards([str(root), str(Path(tmp) / "shards"), "--shard-size", "50MB"])
+        PATHS.update({name: [f"data.name={Path(tmp) / 'shards'}", *overrides] for name, overrides in SHARDS.items()})
+        print(f"wrote {args.images} JPEGs and their shards in {time.perf_counter() - start:.0f}s", flush=True)
         (on_gpu if device.type == "cuda" else on_cpu)(root, args, device)
 
 

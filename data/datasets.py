@@ -15,16 +15,18 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 import utils.general
-from data.cache import RamImages, cached_datasets, keep_batch
+from data.cache import cached_datasets, keep_batch
 from data.cifar import CIFAR, cifar_dataset
-from data.jpeg_cache import JpegImages, decodes_on_device, jpeg_datasets
+from data.jpeg_cache import decodes_on_device, jpeg_datasets
 from data.layouts import (CLASS_FOLDERS, CSV_FILES, SPLIT_FILE, VAL_NAMES, HoldOut, csv_dataset, csv_datasets, either,
                           find_layout, first_present, listed_alike, listed_split, read_split, split_files)
 from data.mix import batch_mixer
+from data.shard_sets import describe, eval_shards, shard_datasets
 from data.sampler import BalancedSampler, DistributedShuffleSampler, SeededSamples, seed_hash
-from data.transforms import train_transforms, val_transforms
+from data.transforms import crop_spec, train_transforms, val_transforms
 from data.verify import UNREADABLE, decode, unreadable_images, unreadable_reason
 from utils.checkpoint import run_dir_of
+from utils.config import names_shards
 from utils.distributed import on_rank0
 from utils.general import LOGGER, RANK, WORLD_SIZE, DatasetError, ImageError, colorstr, short_path
 from utils.waiting import once_per_machine
@@ -261,6 +263,11 @@ def training_datasets(cfg, seed, saved_in=None, device=torch.device("cpu")):
     decoded once into memory (RamImages), or with data.cache=jpeg read from one file per split (JpegImages),
     training's crop and flip then drawn per batch on device. saved_in: a resumed run's directory, whose saved
     data.val_split split is reused (see data/layouts.py)."""
+    if names_shards(cfg.name):  # read by batches, cropped from the per-sample seeds as the JPEG cache's are
+        train_set, val_set = shard_datasets(cfg, seed, crop_spec(cfg), decodes_on_device(cfg, device),
+                                            val_transforms(cfg))
+        LOGGER.info(f"{colorstr('data:')} {cfg.name}: {describe(train_set, val_set)}")
+        return train_set, val_set
     hold_out = HoldOut(cfg.val_split, seed, saved_in)
     if cfg.cache == "none":
         return train_val_datasets(cfg.name, train_transforms(cfg), val_transforms(cfg), cfg.skip_corrupt, hold_out,
@@ -291,12 +298,16 @@ def input_feed(cfg, device):
     gather batches from "memory" (the RAM cache), or read "bytes" (the JPEG cache's, decoded on device)."""
     if cfg.cache == "ram":
         return "memory"
-    return "bytes" if cfg.cache == "jpeg" and decodes_on_device(cfg, device) else "files"
+    jpegs = cfg.cache == "jpeg" or names_shards(cfg.name)
+    return "bytes" if jpegs and decodes_on_device(cfg, device) else "files"
 
 
-def named_eval_dataset(name, split, transform, classes, weights, allow_outside=False):
+def named_eval_dataset(name, split, transform, classes, weights, allow_outside=False, cache_dir=""):
     """data.name's split (train, val or test) labelled with the classes a checkpoint (weights) was trained on;
-    CIFAR's val is its test set. allow_outside: data.csv_allow_outside."""
+    CIFAR's val is its test set. allow_outside: data.csv_allow_outside; cache_dir: data.cache_dir (a shard set's
+    node cache)."""
+    if names_shards(name):
+        return eval_shards(name, split, transform, classes, weights, cache_dir)
     if name not in CIFAR:
         return eval_dataset(dataset_root(name), split, transform, classes, weights, allow_outside)
     dataset = cifar_dataset(name, split == "train", transform)
@@ -331,16 +342,17 @@ def build_dataloader(dataset, batch_size, train, seed, workers, device, drop_las
     training crops the same way).
     """
     options = dict(rank=RANK, world_size=WORLD_SIZE, shuffle=train, seed=seed, batch_size=batch_size,
-                   drop_last=train and drop_last, group=2 if pairs else 1, repeats=repeats if train else 1)
+                   drop_last=train and drop_last, group=2 if pairs else 1, repeats=repeats if train else 1,
+                   windows=getattr(dataset, "windows", None) if train else None)
     sampler = (BalancedSampler(dataset.targets, **options) if train and balanced
                else DistributedShuffleSampler(len(dataset), **options))
     # Worker w seeds torch, random and numpy with base + w, base drawn from this generator, which set_epoch
     # reseeds from (seed, epoch, rank); the transforms of training samples draw from SeededSamples' seeds instead.
     generator = torch.Generator().manual_seed(seed_hash(seed, 0, RANK))
-    cached = isinstance(dataset, (RamImages, JpegImages))
-    return DataLoader(SeededSamples(dataset, seed) if train and not cached else dataset,
+    batched = hasattr(dataset, "__getitems__")  # the caches' and shard sets' training sets: whole batches
+    return DataLoader(SeededSamples(dataset, seed) if train and not batched else dataset,
                       batch_size=batch_size // WORLD_SIZE, sampler=sampler, num_workers=workers,
-                      collate_fn=keep_batch if cached else None, pin_memory=device.type == "cuda",
+                      collate_fn=keep_batch if batched else None, pin_memory=device.type == "cuda",
                       generator=generator, worker_init_fn=leave_process_group)
 
 

@@ -51,7 +51,7 @@ import torch
 from torchvision.transforms import v2
 from tqdm import tqdm
 
-from data.cache import decode_crop, seeded_crops, store_side, store_transform
+from data.cache import decode_crop, packed, seeded_crops, store_side, store_transform
 from data.transforms import crop_spec
 from utils.distributed import job_store
 from utils.general import (LOCAL_RANK, LOCAL_WORLD_SIZE, LOGGER, RANK, WORLD_SIZE, DatasetError, ImageError, colorstr,
@@ -84,7 +84,7 @@ def decodes_on_device(cfg, device):
 class JpegImages(torch.utils.data.Dataset):
     """A split's images in a cache file (see the module's docstring); like RamImages, loaders fetch whole batches
     (__getitems__). Training sets (spec given) return each batch decoded, cropped and flipped (decode_crop), or when
-    on_device its JPEG bytes as a list of 1-D uint8 tensors with each sample's crop params for the epoch and the
+    on_device its JPEG bytes (packed: one flat uint8 tensor and the lengths) with each sample's crop params for the epoch and the
     stored image's scale, for batch_to to decode and crop on the device; validation sets return the stored pixels."""
 
     def __init__(self, source, path, header, index, opened, spec=None, seed=0, on_device=False):
@@ -154,7 +154,7 @@ class JpegImages(torch.utils.data.Dataset):
             return torch.stack([b.view(self.channels, *size) for b, size in zip(blobs, sizes)]), self.targets[index]
         params = seeded_crops(self.seed, self.epoch, ids, self.sizes[index], self.spec)
         if self.on_device:
-            return blobs, self.targets[index], params, self.scales[index]
+            return packed(blobs), self.targets[index], params, self.scales[index]
         return decode_crop(blobs, params, self.scales[index], self.spec, torch.device("cpu")), self.targets[index]
 
     def __getitem__(self, i):

@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 MASK64 = (1 << 64) - 1
+SHARD_ORDER = 0x5A4D  # a salt: the shard order's seed is not any sample's
 
 
 class DistributedShuffleSampler(Sampler):
@@ -22,12 +23,13 @@ class DistributedShuffleSampler(Sampler):
     steps. With repeats=K (repeated augmentation), each sample appears K times in a row, each copy with its own id
     (index + copy * dataset_size, see SeededSamples) and augmentation, and the epoch is cut back to dataset_size
     samples, so it costs what an epoch without repeats does. set_epoch(epoch, start_step) skips the steps a
-    resumed run has already done, without loading their images.
+    resumed run has already done, without loading their images. windows=(shard_of, W, shards), for a shard set: the
+    epoch's samples regrouped window by window (see windowed), so a stretch of steps reads W shards.
     """
 
     def __init__(self, dataset_size, rank=0, world_size=1, shuffle=True, seed=0, batch_size=None, drop_last=False,
-                 group=1, repeats=1):
-        self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, shuffle, seed
+                 group=1, repeats=1, windows=None):
+        self.rank, self.world_size, self.shuffle, self.seed, self.windows = rank, world_size, shuffle, seed, windows
         self.dataset_size, self.group, self.repeats = dataset_size, group, repeats
         self.batch_size = batch_size or world_size * group  # global batch: a multiple of world_size * group
         self.size = dataset_size // self.batch_size * self.batch_size if drop_last else dataset_size
@@ -44,6 +46,9 @@ class DistributedShuffleSampler(Sampler):
         # A hash, not seed + epoch: seed 1 is then not seed 0 shifted by one epoch.
         generator = torch.Generator().manual_seed(seed_hash(self.seed, self.epoch))
         order = self.draw(generator)
+        if self.windows is not None:
+            shard_of, window, shards = self.windows
+            order = windowed(order, shard_of, window, shard_permutation(self.seed, self.epoch, shards))
         if self.repeats > 1:
             order = self.repeated(order)
         return order[: self.size]  # drop_last: a different remainder is left out each epoch
@@ -136,6 +141,22 @@ class BalancedSampler(DistributedShuffleSampler):
         """The epoch's draws, each sample's repeats numbered as copies (repeated augmentation's ids included)."""
         order = super().permutation() % self.dataset_size
         return order + self.dataset_size * occurrence(order)
+
+
+def shard_permutation(seed, epoch, shards):
+    """The epoch's order of a shard set's shards, from (seed, epoch) alone (its own stream: not the samples')."""
+    generator = torch.Generator().manual_seed(seed_hash(seed, epoch, SHARD_ORDER))
+    return torch.randperm(shards, generator=generator)
+
+
+def windowed(order, shard_of, window, shard_order):
+    """order (sample indices) regrouped into windows: the samples of shard_order's first `window` shards first,
+    then the next window's, each window's in the order they had in order (itself random, so random within the
+    window). A window of W shards of n samples each mixes W * n samples; the whole epoch still covers every sample
+    of order once."""
+    position = torch.empty_like(shard_order)
+    position[shard_order] = torch.arange(len(shard_order))
+    return order[torch.argsort(position[shard_of[order]] // window, stable=True)]
 
 
 def occurrence(order):

@@ -1,5 +1,6 @@
 """Shared fixtures: tiny ImageFolders and launchers for train.py as one process or under torchrun."""
 
+import contextlib
 import csv
 import os
 import subprocess
@@ -60,7 +61,7 @@ def clean_env():
     """The environment without torchrun's variables, so a child is one process unless launched by torchrun."""
     env = {k: v for k, v in os.environ.items()
            if k not in {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}}
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # packages too
     return env
 
 
@@ -109,3 +110,17 @@ class Lookup(torch.nn.Module):
 
     def forward(self, images):
         return self.logits[images[:, 0, 0, 0].long()]
+
+
+@contextlib.contextmanager
+def http_server(root, stop_after=None):
+    """A real HTTP server (tests/http_server.py) serving root: yields (its base URL, its process). With stop_after,
+    it exits when a request after the first stop_after GETs arrives, as a server that dies mid-run."""
+    server = subprocess.Popen([sys.executable, "-u", str(ROOT / "tests" / "http_server.py"), str(root),
+                               *([] if stop_after is None else [str(stop_after)])], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline().split()[1])
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        server.kill()
+        server.wait()

@@ -1,6 +1,9 @@
-"""Run by test_n_invariance.py, as one process (argv[3] 'one-core': pinned to one core, so one compute thread) or
-under torchrun: train RECIPE for one epoch on each data path (the RAM cache, the JPEG cache and per image), each
-into project/<path> (argv[1], data argv[2])."""
+"""Run by test_n_invariance.py, as one process ('one-core': pinned to one core, so one compute thread) or under
+torchrun: train RECIPE for one epoch on each data path (the RAM cache, the JPEG cache, per image, and the same images
+as a shard set served over HTTP: 'shards=URL'), each into project/<path>.
+
+    python tests/n_invariance.py PROJECT DATA [one-core] [shards=URL]
+"""
 
 import os
 import sys
@@ -22,14 +25,18 @@ RECIPE = ["train.epochs=1", "train.batch_size=12", "model.width=4", "model.depth
           "train.log_every_steps=1"]
 
 
-def main(project, data, one_core=False):
+def main(project, data, one_core=False, shards=None):
     if one_core:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     setup_distributed()
+    # Shards: windows of 2 of the set's shards, fetched into a cache of this launch's own.
+    paths = {cache: [f"data.name={data}", f"data.cache={cache}"] for cache in ("ram", "jpeg", "none")}
+    if shards:
+        paths["shards"] = [f"data.name={shards}", "data.cache=none", "data.shard_window=2",
+                           f"data.cache_dir={project}/shard-cache"]
     try:
-        for cache in ("ram", "jpeg", "none"):
-            cfg = load_recipe("cls.yaml", [*RECIPE, f"data.name={data}", f"data.cache={cache}", f"project={project}",
-                                           f"name={cache}"])
+        for path, options in paths.items():
+            cfg = load_recipe("cls.yaml", [*RECIPE, *options, f"project={project}", f"name={path}"])
             with StopVote() as vote:
                 vote.device = select_device("cpu")
                 train.train(cfg, vote, None)
@@ -38,4 +45,6 @@ def main(project, data, one_core=False):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3:] == ["one-core"])
+    options = sys.argv[3:]
+    main(sys.argv[1], sys.argv[2], "one-core" in options,
+         next((o.removeprefix("shards=") for o in options if o.startswith("shards=")), None))

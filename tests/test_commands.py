@@ -45,6 +45,8 @@ RUN = [
     "python train.py --recipe imagenet-resnet50.yaml data.name=path/to/imagenet data.cache=jpeg "
     "data.auto_augment='' data.random_erase=0",
     "torchrun --nproc_per_node=8 train.py --recipe imagenet-resnet50.yaml",
+    "python -m data.shards path/to/my_data path/to/shards",
+    "torchrun --nproc_per_node=2 train.py --recipe folder.yaml data.name=path/to/shards",
 ]
 
 BENCHMARK = "a benchmark: minutes of measurement on this machine"
@@ -79,10 +81,15 @@ NOT_RUN = {
     "torchrun --nproc_per_node=2 benchmarks/ddp.py": BENCHMARK,
     "python benchmarks/finetune.py": BENCHMARK,
     "python benchmarks/checkpoint.py": BENCHMARK,
+    "python -m data.shards": "the writer named in a sentence; the command above it with its arguments is run",
+    "python -m http.server 8000 --directory path/to": "a server that runs until stopped (the shard tests run one)",
+    "torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 --rdzv-id=job1 train.py "
+    "--recipe folder.yaml data.name=http://SERVER:8000/shards": "two machines and a server",
 }
 
-# What a documented placeholder becomes in the scratch project: my_data/ holds train/ and val/, new_photos/ images.
-STAND_INS = [("/path/to/my_data", "my_data"), ("path/to/my_data", "my_data"), ("path/to/your/data", "my_data"),
+# What a documented placeholder becomes in the scratch project: my_data/ holds train/ and val/, my_shards/ the same
+# as a shard set, new_photos/ images.
+STAND_INS = [("data.name=path/to/shards", "data.name=my_shards"), ("/path/to/my_data", "my_data"), ("path/to/my_data", "my_data"), ("path/to/your/data", "my_data"),
              ("path/to/data", "my_data"), ("path/to/imagenet", "my_data"), ("path/to/new_photos", "new_photos"),
              ("--source photos/", "--source new_photos"), ("--weights ...", "--weights runs/train/exp/weights/best.pt"),
              ("--nproc_per_node=8", "--nproc_per_node=2")]
@@ -150,7 +157,8 @@ def shortened(command):
         command = command.replace(placeholder, stand_in)
     recipe = re.search(r"--recipe (\S+)", command)
     if recipe:
-        return " ".join(filter(None, [command, NEW_RUN, SMALLER_MODEL.get(recipe[1])]))
+        new_run = NEW_RUN.replace("data.name=my_data", "") if "data.name=my_shards" in command else NEW_RUN
+        return " ".join(filter(None, [command, new_run, SMALLER_MODEL.get(recipe[1])]))
     return f"{command} {RESUMED}" if "train.py --resume" in command else command
 
 
@@ -177,6 +185,7 @@ def scratch(tmp_path_factory):
             (root / entry.name).symlink_to(entry)
     make_image_folder(root / "my_data", {"train": {"cat": 4, "dog": 4}, "val": {"cat": 1, "dog": 1}}, size=20)
     make_image_folder(root, {"new_photos": {"": 3}}, size=20, seed=1)  # class "": images straight in new_photos/
+    assert run_python("-m", "data.shards", "my_data", "my_shards", cwd=root).returncode == 0  # data.name=my_shards
     env = {**clean_env(), "TORCH_HOME": str(root / "torch"),
            "PATH": f"{Path(sys.executable).parent}:{clean_env()['PATH']}"}
     with pytest.MonkeyPatch.context() as patch:

@@ -111,7 +111,7 @@ def test_gpu_decoding_of_the_jpeg_cache_matches_the_cpus(tmp_path):
     cfg = data_cfg(img_size=16, scale=[0.25, 1.0], hflip=0.5, cache="jpeg", cache_dir=str(tmp_path / "cache"))
     train_set, _ = jpeg_datasets(*build_datasets(tmp_path / "data", None, None), cfg, 3, val_transforms(cfg), GPU)
     batch = train_set.__getitems__(range(len(SIZES)))
-    assert isinstance(batch[0], list)  # bytes: auto decodes on the GPU
+    assert isinstance(batch[0], tuple)  # packed bytes: auto decodes on the GPU
     on_gpu = batch_to(batch, GPU, crop_spec(cfg))[0]
     on_cpu = batch_to(batch, torch.device("cpu"), crop_spec(cfg))[0]
     assert on_gpu.device.type == "cuda" and on_gpu.shape == on_cpu.shape

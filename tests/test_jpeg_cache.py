@@ -69,7 +69,8 @@ def test_jpeg_cache_crops_what_the_per_image_path_crops_and_decodes_alike_in_wor
         for dataset in (in_workers, on_device):
             dataset.set_epoch(epoch)
         bytes_batch = on_device.__getitems__(ids)
-        assert isinstance(bytes_batch[0], list) and bytes_batch[0][0].dtype == torch.uint8  # JPEG bytes only
+        flat, lengths = bytes_batch[0]  # JPEG bytes only, packed into one tensor
+        assert flat.dtype == torch.uint8 and lengths.tolist() == [len(in_workers.blob(i % len(SIZES))) for i in ids]
         crops[epoch] = per_image_epoch(cfg, root / "train", ids, epoch).float()  # PIL, from the original files
         decoded = batch_to(in_workers.__getitems__(ids), CPU, spec)[0]
         assert torch.equal(batch_to(bytes_batch, CPU, spec)[0], decoded)  # one decoder, either place

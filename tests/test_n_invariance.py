@@ -1,5 +1,6 @@
 """A recipe means the same run at any number of processes: one epoch at N=1, 2 and 3, whose last step is partial and
-unevenly shared, on both data paths, against the float rounding that one thread instead of two gives."""
+unevenly shared, on every data path (the shard set's served by a real HTTP server), against the float rounding that
+one thread instead of two gives."""
 
 import numpy as np
 import pytest
@@ -7,10 +8,11 @@ import torch
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import run_python, run_torchrun
+from conftest import http_server, run_python, run_torchrun
 from utils.checkpoint import load_checkpoint
 
-PATHS = ("ram", "jpeg", "none")  # data.cache: crops per batch on the device (two caches), or per image as loaded
+# data.cache: crops per batch on the device (two caches), or per image as loaded; and the images as a shard set
+PATHS = ("ram", "jpeg", "none", "shards")
 
 
 def write_images(root):
@@ -28,20 +30,30 @@ def write_images(root):
     return root
 
 
+def served_shards(base):
+    """base/data (write_images) as a shard set of about 2 images a shard (19 training shards, read in windows of 2
+    by the tests, so the order is regrouped window by window) under base/served/shards; returns base/served."""
+    result = run_python("-m", "data.shards", base / "data", base / "served" / "shards", "--shard-size", "2KB")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return base / "served"
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{launch: project}: N=1 on two threads and on one, N=2 and N=3, each having trained both paths."""
     base = tmp_path_factory.mktemp("n")
     data = write_images(base / "data")
-    launches = {"1": lambda p: run_python("tests/n_invariance.py", p, data),
-                "1, one thread": lambda p: run_python("tests/n_invariance.py", p, data, "one-core"),
-                "2": lambda p: run_torchrun("tests/n_invariance.py", p, data, nproc=2),
-                "3": lambda p: run_torchrun("tests/n_invariance.py", p, data, nproc=3)}
-    projects = {}
-    for name, launch in launches.items():
-        projects[name] = base / name.replace(", ", "-").replace(" ", "")
-        result = launch(projects[name])
-        assert result.returncode == 0, name + result.stdout[-2000:] + result.stderr[-3000:]
+    with http_server(served_shards(base)) as (url, _):
+        shards = f"shards={url}/shards"
+        launches = {"1": lambda p: run_python("tests/n_invariance.py", p, data, shards),
+                    "1, one thread": lambda p: run_python("tests/n_invariance.py", p, data, "one-core", shards),
+                    "2": lambda p: run_torchrun("tests/n_invariance.py", p, data, shards, nproc=2),
+                    "3": lambda p: run_torchrun("tests/n_invariance.py", p, data, shards, nproc=3)}
+        projects = {}
+        for name, launch in launches.items():
+            projects[name] = base / name.replace(", ", "-").replace(" ", "")
+            result = launch(projects[name])
+            assert result.returncode == 0, name + result.stdout[-2000:] + result.stderr[-3000:]
     return projects
 
 

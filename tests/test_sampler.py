@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
 
-from data.sampler import DistributedShuffleSampler, SeededSamples
+from data.sampler import BalancedSampler, DistributedShuffleSampler, SeededSamples, shard_permutation
 from data.transforms import train_transforms
 import utils.config
 from utils.config import DataConfig, RecipeError, load_recipe
@@ -207,3 +207,41 @@ def test_repeated_pairs_are_two_different_images_and_repeat_together():
     assert all(a % 21 != b % 21 for a, b in pairs)  # MixUp never mixes two copies of one image
     assert [(a % 21, b % 21) for a, b in pairs[:4]] == [(pairs[0][0] % 21, pairs[0][1] % 21)] * 4  # a b, a b, ...
     assert len({a for a, _ in pairs[:4]}) == 4  # each copy its own id (its own augmentation)
+
+
+@pytest.mark.parametrize("balanced", [False, True])
+def test_shard_windows_read_w_shards_at_a_time_and_keep_every_promise_of_the_order(balanced):
+    # 11 shards of 1-9 samples (97 in all), windows of 3 shards: the epoch reads shard_permutation's shards three at
+    # a time, every sample once (balanced: draws), in the same global batches at any world size.
+    lengths = [9, 1, 8, 12, 5, 9, 7, 3, 15, 11, 17]
+    shard_of = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    targets = torch.arange(len(shard_of)) % 4
+
+    def sampler(rank, world, epoch, window=3):
+        options = dict(rank=rank, world_size=world, seed=5, batch_size=12, windows=(shard_of, window, len(lengths)))
+        s = BalancedSampler(targets, **options) if balanced else DistributedShuffleSampler(len(shard_of), **options)
+        s.set_epoch(epoch)
+        return s
+
+    for epoch in (0, 1):
+        order = sampler(0, 1, epoch).permutation() % len(shard_of)
+        if not balanced:
+            assert sorted(order.tolist()) == list(range(len(shard_of)))
+        shards = shard_permutation(5, epoch, len(lengths)).tolist()
+        windows = [set(shards[i:i + 3]) for i in range(0, len(shards), 3)]
+        read = [int(shard_of[i]) for i in order]
+        cuts = [0]  # where each window's samples end in the order
+        for window in windows:
+            cuts.append(cuts[-1] + sum(1 for s in read[cuts[-1]:] if s in window))
+            assert set(read[cuts[-2]:cuts[-1]]) <= window
+        assert cuts[-1] == len(read)
+        one = list(sampler(0, 1, epoch))
+        for world in (2, 3):
+            parts = [list(sampler(r, world, epoch)) for r in range(world)]
+            b = 12 // world
+            for step in range(-(-len(one) // 12)):
+                assert sorted(i for p in parts for i in p[step * b:(step + 1) * b]) == sorted(one[step * 12:(step + 1) * 12])
+    # The same draws, regrouped: a window of every shard leaves the plain order as it was.
+    assert torch.equal(sampler(0, 1, 0, window=len(lengths)).permutation(),
+                       (BalancedSampler(targets, seed=5, batch_size=12) if balanced else
+                        DistributedShuffleSampler(len(shard_of), seed=5, batch_size=12)).permutation())

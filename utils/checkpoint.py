@@ -137,10 +137,11 @@ def run_dir_of(checkpoint_path):
     return path.parent.parent if path.parent.name == "weights" else path.parent
 
 
-def save_state(state, recipe, classes, train_images, paths, best_from_ema=False):
+def save_state(state, recipe, classes, train_images, paths, best_from_ema=False, data_identity=None):
     """Save a checkpoint of the run where it is, with its recipe (a plain dict) and every rank's random state, to
     each of paths (all ranks call this together, rank 0 writes). With best_from_ema, best.pt's 'model' holds the
-    EMA weights, which scored better ('model_source' says which)."""
+    EMA weights, which scored better ('model_source' says which). data_identity: a shard set's shards and their
+    SHA-256 (data/shard_sets.py), which a resumed run must find unchanged."""
     rng = gather_object(rng_states())
 
     def write():
@@ -151,7 +152,7 @@ def save_state(state, recipe, classes, train_images, paths, best_from_ema=False)
             "logged_loss": list(state.logged_loss), "best_top1": state.best_top1,
             "best_epoch": state.best_epoch, "classes": list(classes), "recipe": recipe,
             "rng": rng, "train_images": train_images, "ema": None if state.ema is None else state.ema.state_dict(),
-            "model_source": "training"}
+            "model_source": "training", "data_identity": data_identity}
         for path in paths:
             ema_best = best_from_ema and path.name == "best.pt"
             save_checkpoint({**checkpoint, "model": state.ema.module.state_dict(), "model_source": "ema"}

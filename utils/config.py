@@ -37,7 +37,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "digits"  # 'digits', cifar10/100, or a root: train/ and val/, valid/ or test/ class folders; train.csv and val.csv; or class folders (data.val_split)
+    name: str = "digits"  # 'digits', cifar10/100, or a root: train/ and val/, valid/ or test/ class folders; train.csv and val.csv; or class folders (data.val_split); or a shard set (python -m data.shards): its folder, dataset.json or http(s):// URL
     img_size: int = 224  # side of the square images the model sees, in pixels
     scale: list[float] = field(default_factory=lambda: [0.08, 1.0])  # train RandomResizedCrop area range
     hflip: float = 0.5  # train horizontal flip probability (0 for digits and text)
@@ -55,8 +55,10 @@ class DataConfig:
     mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))  # per-channel normalisation mean (RGB)
     std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))  # per-channel normalisation std (RGB)
     cache: str = "none"  # none: decode per sample; ram: decode once into memory; jpeg: one shared file of JPEGs per split (crop and flip per batch with either)
-    cache_dir: str = ""  # data.cache=jpeg: where its files go; '': beside the images' folder
-    jpeg_decode: str = "auto"  # data.cache=jpeg: where training JPEGs are decoded: auto (the GPU on CUDA, else workers), cpu (workers) or device
+    cache_dir: str = ""  # data.cache=jpeg's files, a shard set's fetched shards: where they go; '': beside the images (shards: datasets/shard-cache/)
+    jpeg_decode: str = "auto"  # data.cache=jpeg and shard sets: where training JPEGs are decoded: auto (the GPU on CUDA, else workers), cpu (workers) or device
+    shard_window: int = 8  # shard sets: each epoch shuffles the shards, then the samples within windows of this many shards
+    shard_cache_gb: float = 0.0  # shard sets at a URL: the most GB of training shards each machine keeps; 0: every shard fetched
     workers: str = "auto"  # DataLoader workers per process, or auto (by data.cache and device; printed)
     drop_last: bool = False  # train: drop each epoch's last partial global batch (so no step sees a batch of one)
     skip_corrupt: bool = False  # check each image once first (in parallel, cached next to the data); skip unreadable ones
@@ -146,6 +148,13 @@ def never(cfg):
     return False
 
 
+def names_shards(name):
+    """Whether data.name names a shard set (data/shard_sets.py reads it): a URL, a .json file, or a folder with
+    dataset.json."""
+    return (name.startswith(("http://", "https://")) or name.endswith(".json")
+            or (Path(name) / "dataset.json").is_file())
+
+
 def several_processes(cfg):
     """For keys of DDP and SyncBatchNorm, inert in a single process."""
     return WORLD_SIZE > 1
@@ -163,7 +172,8 @@ CHANGES_RESULTS_WHEN = {
     "data.ra_magnitude": lambda cfg: cfg.data.auto_augment == "randaugment",
     "data.augmix_severity": lambda cfg: cfg.data.auto_augment == "augmix",
     "data.mix_switch_prob": lambda cfg: cfg.data.mixup_alpha > 0 and cfg.data.cutmix_alpha > 0,
-    "data.jpeg_decode": lambda cfg: cfg.data.cache == "jpeg",  # a GPU decoder may round pixels otherwise
+    "data.jpeg_decode": lambda cfg: cfg.data.cache == "jpeg" or names_shards(cfg.data.name),  # a GPU decoder rounds
+    "data.shard_window": lambda cfg: names_shards(cfg.data.name),
     "train.ema_steps": lambda cfg: cfg.train.ema_decay > 0,
     "optim.nesterov": lambda cfg: cfg.optim.name == "sgd" and cfg.optim.momentum > 0,
     "sched.warmup_factor": lambda cfg: cfg.sched.warmup_epochs > 0,
@@ -174,9 +184,9 @@ CHANGES_RESULTS_WHEN = {
     "ddp.comm_hook": several_processes,
     # device and data.workers are mostly 'auto', a request rather than what ran; train.deterministic trades speed
     # for runs that repeat exactly.
-    **dict.fromkeys(("project", "name", "device", "data.workers", "data.cache_dir", "data.skip_corrupt",
-                     "data.csv_allow_outside", "train.log_every_steps", "train.save_every_steps", "train.compile",
-                     "train.channels_last", "train.deterministic", "ddp.bucket_cap_mb",
+    **dict.fromkeys(("project", "name", "device", "data.workers", "data.cache_dir", "data.shard_cache_gb",
+                     "data.skip_corrupt", "data.csv_allow_outside", "train.log_every_steps", "train.save_every_steps",
+                     "train.compile", "train.channels_last", "train.deterministic", "ddp.bucket_cap_mb",
                      "ddp.gradient_as_bucket_view"), never),
 }
 # Not train.accumulate, which a resume may change too: BatchNorm sees each micro-batch's statistics.
@@ -314,10 +324,13 @@ def checkpoint_recipe(saved, source):
 
 
 def check_resumable(saved, resumed, source):
-    """Refuse a resumed recipe that changes anything but RESUME_KEYS, naming the first such key."""
+    """Refuse a resumed recipe that changes anything but RESUME_KEYS, naming the first such key. data.name may move
+    from one shard set's location to another's (a server's new address, a local copy): the resume then checks each
+    shard's SHA-256 against the checkpoint's (data/shard_sets.py check_same_shards)."""
     for key in flat_keys(OmegaConf.to_container(resumed)):
         old, new = OmegaConf.select(saved, key), OmegaConf.select(resumed, key)
-        if old != new and key not in RESUME_KEYS:
+        moved_shards = key == "data.name" and names_shards(old) and names_shards(new)
+        if old != new and key not in RESUME_KEYS and not moved_shards:
             raise RecipeError(f"{source}: {key}={new!r} cannot change on resume: the run so far was trained with "
                               f"{key}={old!r}; only {', '.join(RESUME_KEYS)} may change (start a new run for the "
                               f"others)")
@@ -407,6 +420,8 @@ def check_data_values(cfg, require):
     require(cfg.data.jpeg_decode in ("auto", "cpu", "device"), "data.jpeg_decode", "auto, cpu or device")
     require(0 <= cfg.data.val_split < 1, "data.val_split", "in [0, 1) (0: the data holds its own val split)")
     require(cfg.data.sampler in ("shuffle", "balanced"), "data.sampler", "shuffle or balanced")
+    require(cfg.data.shard_window >= 1, "data.shard_window", "a number of shards >= 1")
+    require(cfg.data.shard_cache_gb >= 0, "data.shard_cache_gb", ">= 0 (0: keep every fetched shard)")
     for key in ("auto_augment", "random_erase"):
         require(cfg.data.cache == "none" or not cfg.data[key], f"data.{key}",
                 f"off with data.cache={cfg.data.cache}, which crops and flips whole batches (it runs per image: set "

@@ -60,7 +60,10 @@ def error_line(error):
 
 
 def short_path(path):
-    """path relative to the current directory when it lies inside it (as a user would type it), else as given."""
+    """path relative to the current directory when it lies inside it (as a user would type it), else as given (a URL
+    too)."""
+    if "://" in str(path):
+        return path
     path = Path(path)
     try:
         return path.resolve().relative_to(Path.cwd().resolve())

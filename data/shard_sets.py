@@ -1,0 +1,453 @@
+"""Shard sets: a data set kept as WebDataset tar shards, in a local folder or behind an http(s):// URL, read by
+index through wids, with the guarantees folders have (the same steps at any N, exact resume, every sample once an
+epoch).
+
+A shard set (written by `python -m data.shards`, see data/shards.py) is a top file, dataset.json, naming the
+classes and a wids shard index per split (train/index.json, val/index.json: `wids-shard-index-v1`, each shard's
+url relative to the index, its sample count, size and SHA-256, and per sample its label and the CRC-32 of its
+image's bytes and its size). The labels are in the index, so the sampler (balanced draws too) knows every
+sample's class without reading a shard, and the sizes, so training crops are drawn without reading a header.
+
+Order and locality: the global order stays a function of (seed, epoch) alone (data/sampler.py); for shards it
+is the epoch's shuffled samples regrouped window by window, a window being data.shard_window shards of a
+shuffled shard order, so a stretch of steps reads a few shards, not all of them.
+
+Fetching: a shard behind a URL is fetched once per machine into a node-local cache (data.cache_dir, by default
+datasets/shard-cache/) that its ranks and DataLoader workers share: one process downloads it under a file lock
+while the others wait for the lock and then find it there; it is written under a temporary name, checked against
+its SHA-256 and renamed, so a half-fetched or damaged shard is never read. A cached shard is named by its SHA-256,
+so a changed shard is never taken for the old one. Local rank 0's workers fetch the next window's shards ahead.
+A fetch that fails is retried with back-off, then the run stops with one line naming the URL. Local shards are
+read where they are. Every image's bytes are checked against their CRC-32 as they are read.
+"""
+
+import contextlib
+import fcntl
+import hashlib
+import io
+import json
+import os
+import socket
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import zlib
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from data.cache import decode_crop, packed, seeded_crops
+from data.transforms import train_transforms
+from data.sampler import sample_seed, shard_permutation
+from data.verify import UNREADABLE, decode, unreadable_reason
+from utils.memory import size_text
+from utils.general import DATASETS_DIR, LOCAL_RANK, DatasetError, ImageError, short_path
+
+TOP = "dataset.json"  # the top file of a shard set: classes and the splits' indexes
+KIND = "cls-shards-v1"
+INDEX_KIND = "wids-shard-index-v1"
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".ppm", ".tif", ".tiff")
+FETCH_TRIES = 6  # a failing fetch is tried this many times, waiting 1, 2, 4, 8, 16 s (CLS_FETCH_BACKOFF x) between
+FETCH_TIMEOUT = 60  # seconds without a byte from the server before a try fails
+
+
+def is_url(name):
+    return str(name).startswith(("http://", "https://"))
+
+
+def top_location(name):
+    """The top file data.name names: the file itself, or dataset.json in the folder (or under the URL)."""
+    name = str(name)
+    if name.endswith(".json"):
+        return name
+    return f"{name.rstrip('/')}/{TOP}" if is_url(name) else str(Path(name) / TOP)
+
+
+def resolve(base, relative):
+    """A shard's or index's location relative to the file that names it (a URL or a local path)."""
+    if is_url(base):
+        return urllib.parse.urljoin(base, relative)
+    return str(Path(base).parent / relative)
+
+
+def backoff():
+    return float(os.environ.get("CLS_FETCH_BACKOFF", "1"))
+
+
+def read_location(location, what):
+    """The bytes of a local file or a URL (retried with back-off, see fetch_to)."""
+    if not is_url(location):
+        try:
+            return Path(location).read_bytes()
+        except OSError as e:
+            raise DatasetError(f"data.name: {location}: {what} cannot be read ({e.strerror or e})") from None
+    buffer = io.BytesIO()
+    retried(location, lambda: download(location, buffer), DatasetError)
+    return buffer.getvalue()
+
+
+def download(url, out):
+    """Copy url's body into the file object out (from its start), 1 MiB at a time."""
+    out.seek(0)
+    out.truncate()
+    with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT) as response:
+        while chunk := response.read(1 << 20):
+            out.write(chunk)
+
+
+def retried(url, work, error=ImageError):
+    """work() tried FETCH_TRIES times with doubling waits; a missing file (404, 403, 410) is not retried."""
+    for attempt in range(FETCH_TRIES):
+        try:
+            return work()
+        except urllib.error.HTTPError as e:
+            reason = f"HTTP {e.code} {e.reason}"
+            if e.code in (403, 404, 410):
+                raise error(f"data.name: {url} cannot be fetched ({reason})") from None
+        except (urllib.error.URLError, OSError, TimeoutError) as e:
+            reason = str(getattr(e, "reason", None) or e)
+        if attempt + 1 < FETCH_TRIES:
+            time.sleep(backoff() * 2**attempt)
+    raise error(f"data.name: {url} cannot be fetched after {FETCH_TRIES} tries over "
+                f"{backoff() * (2 ** (FETCH_TRIES - 1) - 1):.0f} s ({reason}); check the server, then resume the run "
+                f"(weights/last.pt holds its last saved step)")
+
+
+def read_json(location, kind, what):
+    """A JSON file of the given __kind__, with errors that name it."""
+    try:
+        content = json.loads(read_location(location, what))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DatasetError(f"data.name: {location}: {what} is not JSON ({e})") from None
+    if not isinstance(content, dict) or content.get("__kind__") != kind:
+        raise DatasetError(f"data.name: {location}: {what} is not a {kind} file (its __kind__ is "
+                           f"{content.get('__kind__') if isinstance(content, dict) else None!r})")
+    return content
+
+
+class ShardSplit:
+    """One split of a shard set: its shards (each with its location resolved), classes and samples' labels."""
+
+    def __init__(self, index_location, classes):
+        index = read_json(index_location, INDEX_KIND, "the shard index")
+        self.location, self.classes = index_location, list(classes)
+        self.shards = [{**shard, "url": resolve(index_location, shard["url"])} for shard in index["shardlist"]]
+        if not self.shards:
+            raise DatasetError(f"data.name: {index_location}: the shard index lists no shards")
+        for shard in self.shards:
+            if any(len(shard.get(key, ())) != shard["nsamples"] for key in ("labels", "crcs", "sizes")):
+                raise DatasetError(f"data.name: {index_location}: {shard['url']} lacks a label, CRC-32 or size for "
+                                   f"each of its {shard['nsamples']} samples; write the set with "
+                                   f"`python -m data.shards`")
+        self.labels = np.concatenate([np.asarray(s["labels"], np.int64) for s in self.shards])
+        if len(self.labels) and (self.labels.min() < 0 or self.labels.max() >= len(classes)):
+            raise DatasetError(f"data.name: {index_location}: labels outside the {len(classes)} classes")
+        self.crcs = np.concatenate([np.asarray(s["crcs"], np.uint32) for s in self.shards])
+        self.sizes = torch.from_numpy(np.concatenate([np.asarray(s["sizes"], np.int64).reshape(-1, 2)
+                                                      for s in self.shards]))  # (height, width)
+        self.lengths = np.array([s["nsamples"] for s in self.shards], np.int64)
+
+    def identity(self):
+        """[(shard's name in the index, SHA-256)]: what a resumed run must find unchanged."""
+        return [[Path(urllib.parse.urlparse(s["url"]).path).name, s.get("sha256", "")] for s in self.shards]
+
+
+def open_shard_set(name):
+    """(classes, {split: ShardSplit}) of the shard set data.name names (its top file and indexes read, or fetched,
+    by every rank: they are small beside the shards)."""
+    top_file = top_location(name)
+    top = read_json(top_file, KIND, "the shard set's top file")
+    classes = top["classes"]
+    return classes, {split: ShardSplit(resolve(top_file, index), classes) for split, index in top["splits"].items()}
+
+
+class ShardCache:
+    """Where a process finds a shard's bytes: a local shard where it is; a URL's in the node-local cache folder,
+    fetched first if missing (one process per machine, the others wait on its lock). Picklable: DataLoader workers
+    get a copy. budget (bytes, 0: none): cached training shards beyond it are removed, least recently opened first
+    (a process that has a shard open keeps reading it)."""
+
+    def __init__(self, folder, budget=0):
+        self.folder, self.budget = Path(folder), budget
+
+    def local(self, shard):
+        """The local path of shard (a ShardSplit entry), fetched first where it is a URL."""
+        url = shard["url"]
+        if not is_url(url):
+            return self.linked(url)
+        path = self.folder / f"{shard.get('sha256', '')[:16]}-{Path(urllib.parse.urlparse(url).path).name}"
+        try:
+            os.utime(path)  # its time is its last use: the budget removes the shards least recently opened
+        except FileNotFoundError:
+            self.fetch(url, path, shard)
+        return str(path)
+
+    def linked(self, path):
+        """A local shard, through a link in the cache folder: wids puts its lock file beside the path it opens, and
+        the shard's own folder may be read-only."""
+        link = self.folder / f"{hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:16]}-{Path(path).name}"
+        if not link.is_symlink():
+            self.folder.mkdir(parents=True, exist_ok=True)
+            tmp = link.with_name(f".{link.name}.{socket.gethostname()}-{os.getpid()}-{threading.get_ident()}")
+            os.symlink(Path(path).resolve(), tmp)
+            os.replace(tmp, link)
+        return str(link)
+
+    def fetch(self, url, path, shard):
+        """Download url to path once per machine: under a lock, into a temporary file, checked, then renamed."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(f".{path.name}.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another process of this machine may be fetching it
+            if path.exists():
+                return
+            tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{threading.get_ident()}")
+            try:
+                with open(tmp, "w+b") as out:
+                    retried(url, lambda: download(url, out))
+                check_shard(url, tmp, shard)
+                self.make_room(shard.get("filesize", 0))
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+
+    def make_room(self, nbytes):
+        """Remove the least recently opened cached shards until nbytes more fit the budget."""
+        if not self.budget:
+            return
+        cached = sorted((p.stat().st_mtime, p.stat().st_size, p) for p in self.folder.glob("*.tar"))
+        held = sum(size for _, size, _ in cached)
+        for _, size, path in cached:
+            if held + nbytes <= self.budget:
+                break
+            path.unlink(missing_ok=True)  # a process reading it keeps its mapping
+            held -= size
+
+
+def check_shard(url, path, shard):
+    """A fetched shard's size and SHA-256 against its index's: a mismatch names the shard."""
+    size = path.stat().st_size
+    if "filesize" in shard and size != shard["filesize"]:
+        raise ImageError(f"data.name: {url}: fetched {size} bytes, the shard index says {shard['filesize']}: the "
+                         f"shard is damaged or was changed since its index was written")
+    if shard.get("sha256"):
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+        if digest.hexdigest() != shard["sha256"]:
+            raise ImageError(f"data.name: {url}: its SHA-256 is {digest.hexdigest()[:16]}..., the shard index says "
+                             f"{shard['sha256'][:16]}...: the shard is damaged or was changed since its index was "
+                             f"written")
+
+
+class ShardSamples(Dataset):
+    """A split's samples by global index: read through wids (ShardListDataset, opened lazily in each process), the
+    image's bytes checked against their CRC-32."""
+
+    def __init__(self, split, cache, window=8):
+        self.split, self.cache, self.window = split, cache, window
+        self.root, self.classes, self.samples = split.location, split.classes, None
+        self.targets = torch.from_numpy(split.labels)
+        self.starts = np.concatenate([[0], np.cumsum(split.lengths)])
+        self.shard_of = torch.from_numpy(np.repeat(np.arange(len(split.shards)), split.lengths))
+        self.reader = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "reader": None}  # each worker opens its own shards
+
+    def open(self):
+        """wids' ShardListDataset over the split's shards, with this cache as its local names."""
+        import wids  # noqa: PLC0415 (only shard sets need it)
+        shards = [{"url": str(i), "nsamples": int(n)} for i, n in enumerate(self.split.lengths)]
+        with contextlib.redirect_stderr(io.StringIO()):  # it prints a summary line on every open
+            self.reader = wids.ShardListDataset(shards, localname=lambda i: self.cache.local(self.split.shards[int(i)]),
+                                                transformations=[], lru_size=max(2, self.window + 1))
+        return self.reader
+
+    def image_bytes(self, i):
+        """Sample i's image bytes, checked against their CRC-32."""
+        try:
+            sample = (self.reader or self.open())[i]
+        except FileNotFoundError:  # a cached shard removed for room between its lookup and its opening
+            sample = self.open()[i]
+        data = next((value for key, value in sample.items() if key.lower() in IMAGE_EXTENSIONS), None)
+        if hasattr(data, "getvalue"):
+            data = data.getvalue()
+        if data is None or zlib.crc32(data) != int(self.split.crcs[i]):
+            shard = self.split.shards[int(self.shard_of[i])]["url"]
+            what = "has no image member" if data is None else "does not match its CRC-32: the shard is damaged"
+            raise ImageError(f"data.name: {shard}: sample {sample.get('__key__')} (image {i}) {what}")
+        return data
+
+    def __len__(self):
+        return len(self.targets)
+
+
+class TrainShards(ShardSamples):
+    """Training samples, a batch at a time (__getitems__, like the JPEG cache's JpegImages): JPEG bytes, cropped and
+    flipped from the per-sample seeds (seeded_crops), decoded in the worker (decode_crop) or, on_device, returned as
+    packed bytes for batch_to to decode on the device. With a transform (data.auto_augment or data.random_erase,
+    which act per image), each image is decoded by PIL and transformed as an image file is, torch's generator seeded
+    per sample as SeededSamples seeds it."""
+
+    def __init__(self, split, cache, spec, seed=0, on_device=False, window=8, transform=None):
+        super().__init__(split, cache, window)
+        self.spec, self.seed, self.on_device, self.epoch, self.ahead = spec, seed, on_device, 0, None
+        self.transform = transform
+        self.windows = (self.shard_of, window, len(split.shards))  # for the sampler's order
+
+    def set_epoch(self, epoch):
+        self.epoch, self.ahead = epoch, None
+
+    def __getitems__(self, ids):
+        ids = np.asarray(ids, dtype=np.uint64)
+        index = (ids % len(self)).astype(np.int64)
+        self.read_ahead(int(index[0]))
+        data = [self.image_bytes(int(i)) for i in index]
+        targets = self.targets[torch.from_numpy(index)]
+        if self.transform is not None:
+            return torch.stack([self.transformed(d, int(i)) for d, i in zip(data, ids)]), targets
+        sizes = self.split.sizes[torch.from_numpy(index)]
+        blobs = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in data]
+        scales = torch.ones(len(index), 2)  # stored at their own size
+        params = seeded_crops(self.seed, self.epoch, ids, sizes, self.spec)
+        if self.on_device:
+            return packed(blobs), targets, params, scales
+        return decode_crop(blobs, params, scales, self.spec, torch.device("cpu")), targets
+
+    def __getitem__(self, i):
+        return tuple(value[0] for value in self.__getitems__([i]))
+
+    def transformed(self, data, sample_id):
+        """One image through the per-image transform, drawing from sample_id's seed (the caller's stream kept)."""
+        state = torch.get_rng_state()
+        torch.default_generator.manual_seed(sample_seed(self.seed, self.epoch, sample_id))
+        try:
+            return self.transform(decode(io.BytesIO(data)))
+        finally:
+            torch.set_rng_state(state)
+
+    def read_ahead(self, i):
+        """On local rank 0, fetch the shards of the window after sample i's in the background (once a window)."""
+        if LOCAL_RANK != 0 or not is_url(self.split.shards[0]["url"]):
+            return
+        order = shard_permutation(self.seed, self.epoch, len(self.split.shards))
+        position = int((order == int(self.shard_of[i])).nonzero()[0, 0])
+        following = position // self.window + 1
+        if following == self.ahead:
+            return
+        self.ahead = following
+        shards = [self.split.shards[int(s)] for s in order[following * self.window : (following + 1) * self.window]]
+        threading.Thread(target=self.fetch_quietly, args=(shards,), daemon=True).start()
+
+    def fetch_quietly(self, shards):
+        """Fetch shards ahead; a failure is left to the read that needs the shard, which says it."""
+        for shard in shards:
+            with contextlib.suppress(Exception):
+                self.cache.local(shard)
+
+
+class ValShards(ShardSamples):
+    """Validation (or evaluation) samples, one at a time: decoded (data/verify.py) and given the per-image path's
+    transform, exactly as an image file of the folder layouts is."""
+
+    def __init__(self, split, cache, transform):
+        super().__init__(split, cache)
+        self.transform = transform
+
+    def __getitem__(self, i):
+        data = self.image_bytes(i)
+        try:
+            image = decode(io.BytesIO(data))
+        except UNREADABLE as e:
+            raise ImageError(f"data.name: {self.split.shards[int(self.shard_of[i])]['url']}: image {i} is unreadable "
+                             f"({unreadable_reason(e)})") from None
+        return (self.transform(image) if self.transform else image), int(self.targets[i])
+
+
+def shard_cache(name, cache_dir="", budget_gb=0.0):
+    """The node-local cache of data.name's shard set: data.cache_dir, or datasets/shard-cache/, then a folder per
+    set (a digest of its location)."""
+    root = Path(cache_dir) if cache_dir else DATASETS_DIR / "shard-cache"
+    location = top_location(name) if is_url(name) else str(Path(top_location(name)).resolve())
+    return ShardCache(root / hashlib.sha256(location.encode()).hexdigest()[:16], int(budget_gb * 1e9))
+
+
+def check_options(cfg):
+    """The data keys a shard set cannot take: it is its own storage, split and per-batch crop."""
+    for key, off, why in (("cache", "none", "a shard set is read as it is stored"),
+                          ("val_split", 0, "a shard set holds its own val split")):
+        if cfg[key] != off:
+            raise DatasetError(f"data.{key}={cfg[key]}: {why}; set data.{key}={off} with data.name={cfg.name}")
+
+
+def shard_datasets(cfg, seed, spec, on_device, val_transform):
+    """data.name's shard set as (TrainShards, ValShards), its train and val splits."""
+    check_options(cfg)
+    classes, splits = open_shard_set(cfg.name)
+    missing = [split for split in ("train", "val") if split not in splits]
+    if missing:
+        raise DatasetError(f"data.name: {top_location(cfg.name)}: no {' or '.join(missing)} split (it names "
+                           f"{sorted(splits)})")
+    cache = shard_cache(cfg.name, cfg.cache_dir, cfg.shard_cache_gb)
+    check_budget(cfg, splits["train"])
+    per_image = train_transforms(cfg) if cfg.auto_augment or cfg.random_erase else None
+    train = TrainShards(splits["train"], cache, spec, seed, on_device and per_image is None, cfg.shard_window,
+                        per_image)
+    train.identity = {split: s.identity() for split, s in splits.items()}
+    return train, ValShards(splits["val"], cache, val_transform)
+
+
+def check_budget(cfg, split):
+    """data.shard_cache_gb must hold two windows of the largest shards: the one read and the one fetched ahead."""
+    if not cfg.shard_cache_gb or not is_url(split.shards[0]["url"]):
+        return
+    largest = sorted((s.get("filesize", 0) for s in split.shards), reverse=True)[: 2 * cfg.shard_window]
+    if sum(largest) > cfg.shard_cache_gb * 1e9:
+        raise DatasetError(f"data.shard_cache_gb={cfg.shard_cache_gb} holds fewer than two windows of "
+                           f"data.shard_window={cfg.shard_window} shards ({size_text(sum(largest))}): raise it or "
+                           f"lower data.shard_window")
+
+
+def eval_shards(name, split, transform, classes, weights, cache_dir=""):
+    """data.name's shard split (val.py) labelled as a checkpoint's classes, which it must have."""
+    set_classes, splits = open_shard_set(name)
+    if split not in splits:
+        raise DatasetError(f"data.name: {top_location(name)}: no {split} split (it names {sorted(splits)})")
+    if set_classes != list(classes):
+        raise DatasetError(f"{top_location(name)}: its {len(set_classes)} classes are not the {len(classes)} classes "
+                           f"{weights} was trained on")
+    return ValShards(splits[split], shard_cache(name, cache_dir), transform)
+
+
+def check_same_shards(path, ckpt, train_set):
+    """A resumed run's shard set must be the one its checkpoint trained on: the line names what changed."""
+    saved, now = ckpt.get("data_identity"), getattr(train_set, "identity", None)
+    if saved == now:
+        return
+    if saved is None or now is None:
+        was, is_ = ("a shard set", "other data") if now is None else ("other data", "a shard set")
+        raise DatasetError(f"{path}: trained on {was}, data.name names {is_}; resume with the same data")
+    changes = []
+    for split in sorted(set(saved) | set(now)):
+        before, after = dict(map(tuple, saved.get(split, []))), dict(map(tuple, now.get(split, [])))
+        changed = [n for n in before if n in after and before[n] != after[n]]
+        gone, added = [n for n in before if n not in after], [n for n in after if n not in before]
+        for what, names in (("changed", changed), ("removed", gone), ("added", added)):
+            if names:
+                changes.append(f"{split}: {len(names)} shard(s) {what} ({', '.join(names[:3])}"
+                               f"{', ...' if len(names) > 3 else ''})")
+    raise DatasetError(f"{path}: its shard set changed since it was trained: {'; '.join(changes)}; resume with the "
+                       f"shards it trained on, or start a new run")
+
+
+def describe(train_set, val_set):
+    """The data line for a shard set."""
+    fetched = is_url(train_set.split.shards[0]["url"])
+    where = f"fetched into {short_path(train_set.cache.folder)}" if fetched else "read in place"
+    return (f"{len(train_set.split.shards)} train shards and {len(val_set.split.shards)} val shards, {where}; "
+            f"windows of data.shard_window={train_set.window} shards")
