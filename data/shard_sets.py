@@ -141,8 +141,8 @@ class ShardSplit:
         for shard in self.shards:
             if any(len(shard.get(key, ())) != shard["nsamples"] for key in ("labels", "crcs", "sizes")):
                 raise DatasetError(f"data.name: {index_location}: {shard['url']} lacks a label, CRC-32 or size for "
-                                   f"each of its {shard['nsamples']} samples; write the set with "
-                                   f"`python -m data.shards`")
+                                   f"each of its {shard['nsamples']} samples; index shards another tool wrote with "
+                                   f"`python -m data.shard_index`, or write the set with `python -m data.shards`")
         self.labels = np.concatenate([np.asarray(s["labels"], np.int64) for s in self.shards])
         if len(self.labels) and (self.labels.min() < 0 or self.labels.max() >= len(classes)):
             raise DatasetError(f"data.name: {index_location}: labels outside the {len(classes)} classes")

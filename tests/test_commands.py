@@ -82,6 +82,8 @@ NOT_RUN = {
     "python benchmarks/finetune.py": BENCHMARK,
     "python benchmarks/checkpoint.py": BENCHMARK,
     "python -m data.shards": "the writer named in a sentence; the command above it with its arguments is run",
+    "python -m data.shard_index path/to/webdataset": "needs shards another tool wrote: test_shards.py writes such a "
+                                                     "set, indexes it with this command and trains on it",
     "python -m http.server 8000 --directory path/to": "a server that runs until stopped (the shard tests run one)",
     "torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 --rdzv-id=job1 train.py "
     "--recipe folder.yaml data.name=http://SERVER:8000/shards": "two machines and a server",

@@ -256,3 +256,54 @@ def test_keys_a_shard_set_cannot_take_are_refused_before_any_work(shard_set, tmp
     assert result.stderr.strip() == (f"train.py: error: data.name: {shard_set}/shards/train/index.json: the shard "
                                      f"set's top file is not a cls-shards-v1 file (its __kind__ is "
                                      f"'wids-shard-index-v1')")
+
+
+def webdataset_tar(path, samples):
+    """A WebDataset shard written as another tool writes one: per sample key.jpg|png, key.cls and key.json."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tar:
+        for key, image, label in samples:
+            for ext, data in (("jpg" if image[:2] == b"\xff\xd8" else "png", image), ("cls", label.encode()),
+                              ("json", b"{}")):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
+def image_bytes(kind, value):
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((10, 14, 3), value, np.uint8)).save(buffer, kind)
+    return buffer.getvalue()
+
+
+def test_shards_another_tool_wrote_are_indexed_in_place_and_train(tmp_path):
+    src = tmp_path / "webdataset"
+    train = [[(f"part{t}/s{t}{i:02d}", image_bytes("JPEG", 20 * i), "cat" if i % 2 else "dog") for i in range(6)]
+             for t in range(2)]
+    for t, samples in enumerate(train):
+        webdataset_tar(src / "train" / f"shard-{t}.tar", samples)
+    webdataset_tar(src / "val" / "val.tar", [(f"v{i}", image_bytes("PNG", 50 * i), "dog cat".split()[i % 2])
+                                             for i in range(4)])
+    before = {p: p.read_bytes() for p in src.rglob("*.tar")}
+    result = run_python("-m", "data.shard_index", src)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "12 train images in 2 shard(s), 4 val images in 1 shard(s) indexed" in result.stdout
+    assert {p: p.read_bytes() for p in src.rglob("*.tar")} == before  # the shards are not changed
+    assert json.loads((src / "dataset.json").read_text())["classes"] == ["cat", "dog"]
+    index = json.loads((src / "train" / "index.json").read_text())["shardlist"]
+    assert [s["labels"] for s in index] == [[1, 0, 1, 0, 1, 0]] * 2
+    assert index[1]["crcs"] == [zlib.crc32(image) for _, image, _ in train[1]] and index[1]["sizes"][0] == [10, 14]
+    result = run_python("train.py", *RECIPE, "train.epochs=1", f"data.name={src}", f"project={tmp_path}",
+                        f"data.cache_dir={tmp_path}/cache")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "12 train / 4 val images, 2 classes" in result.stdout
+    assert run_python("-m", "data.shard_index", src).stderr.strip().endswith("the set is indexed (remove it to "
+                                                                              "index it again)")
+    webdataset_tar(tmp_path / "png" / "train" / "a.tar", [("x", image_bytes("PNG", 9), "0")])
+    webdataset_tar(tmp_path / "png" / "val" / "b.tar", [("y", image_bytes("PNG", 9), "0")])
+    result = run_python("-m", "data.shard_index", tmp_path / "png")
+    assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == (
+        f"python -m data.shard_index: error: {tmp_path}/png/train/a.tar: sample x is a PNG image (RGB): training "
+        f"images of a shard set are upright RGB or grey JPEGs; write the set from its images with "
+        f"`python -m data.shards`")
+    assert not any((tmp_path / "png").rglob("*.json"))  # nothing written
