@@ -189,6 +189,8 @@ class ShardCache:
     def linked(self, path):
         """A local shard, through a link in the cache folder: wids puts its lock file beside the path it opens, and
         the shard's own folder may be read-only."""
+        if not Path(path).is_file():  # else wids would copy a file of the same name from the current folder
+            raise DatasetError(f"data.name: {path}: the shard index names it, but it is not there")
         link = self.folder / f"{hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:16]}-{Path(path).name}"
         if not link.is_symlink():
             self.folder.mkdir(parents=True, exist_ok=True)
