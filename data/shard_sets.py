@@ -220,7 +220,12 @@ class ShardCache:
         """Remove the least recently opened cached shards until nbytes more fit the budget."""
         if not self.budget:
             return
-        cached = sorted((p.stat().st_mtime, p.stat().st_size, p) for p in self.folder.glob("*.tar"))
+        cached = []
+        for path in self.folder.glob("*.tar"):
+            with contextlib.suppress(FileNotFoundError):  # another process of this machine removed it just now
+                info = path.stat()
+                cached.append((info.st_mtime, info.st_size, path))
+        cached.sort()
         held = sum(size for _, size, _ in cached)
         for _, size, path in cached:
             if held + nbytes <= self.budget:

@@ -70,7 +70,10 @@ def parse_args(argv=None):
                                                              "(and of --val-split)")
     parser.add_argument("--csv-allow-outside", action="store_true",
                         help="train.csv and val.csv: also read paths that leave the CSV's folder")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.max_side < 0:
+        parser.error(f"--max-side {args.max_side}: must be >= 0 (0 keeps sizes)")
+    return args
 
 
 def stored(path, train, max_side):
