@@ -61,7 +61,7 @@ def image_entry(path, key, members, train):
             height, width = decode(io.BytesIO(image)).size[::-1]  # val: decoded upright, as an image file is
     except UNREADABLE as e:
         raise DatasetError(f"{path}: sample {key}: unreadable image ({unreadable_reason(e)})") from None
-    if train and not (kind == "JPEG" and upright and mode in ("RGB", "L")):
+    if train and not (kind in ("JPEG", "MPO") and upright and mode in ("RGB", "L")):
         raise DatasetError(f"{path}: sample {key} is a {kind} image ({mode}{'' if upright else ', EXIF-turned'}): "
                            f"training images of a shard set are upright RGB or grey JPEGs; write the set from its "
                            f"images with `python -m data.shards`")

@@ -18,16 +18,20 @@ while the others wait for the lock and then find it there; it is written under a
 its SHA-256 and renamed, so a half-fetched or damaged shard is never read. A cached shard is named by its SHA-256,
 so a changed shard is never taken for the old one. Local rank 0's workers fetch the next window's shards ahead.
 A fetch that fails is retried with back-off, then the run stops with one line naming the URL. Local shards are
-read where they are. Every image's bytes are checked against their CRC-32 as they are read.
+read where they are. A shard opened (with wids' IndexedTarSamples) is checked against its index's size and sample
+count, and every image's bytes against their CRC-32 as they are read.
 """
 
+import collections
 import contextlib
 import fcntl
 import hashlib
+import http.client
 import io
 import json
 import os
 import socket
+import struct
 import threading
 import time
 import urllib.error
@@ -53,6 +57,7 @@ INDEX_KIND = "wids-shard-index-v1"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".ppm", ".tif", ".tiff")
 FETCH_TRIES = 6  # a failing fetch is tried this many times, waiting 1, 2, 4, 8, 16 s (CLS_FETCH_BACKOFF x) between
 FETCH_TIMEOUT = 60  # seconds without a byte from the server before a try fails
+FETCH_MIN_RATE = 100e3  # bytes a second: a try arriving slower on average (after FETCH_TIMEOUT) fails
 
 
 def is_url(name):
@@ -78,29 +83,59 @@ def backoff():
     return float(os.environ.get("CLS_FETCH_BACKOFF", "1"))
 
 
+RERUN = "check the server, then run it again"
+RESUME = "check the server, then resume the run (weights/last.pt holds its last saved step)"
+
+
 def read_location(location, what):
-    """The bytes of a local file or a URL (retried with back-off, see fetch_to)."""
+    """The bytes of a local file or a URL (retried with back-off, see retried; a host that does not resolve is not:
+    data.name is mistyped more often than a name server fails at the start)."""
     if not is_url(location):
         try:
             return Path(location).read_bytes()
         except OSError as e:
             raise DatasetError(f"data.name: {location}: {what} cannot be read ({e.strerror or e})") from None
     buffer = io.BytesIO()
-    retried(location, lambda: download(location, buffer), DatasetError)
+    retried(location, lambda: download(location, buffer), DatasetError, "check the server and data.name",
+            dns=False)
     return buffer.getvalue()
 
 
-def download(url, out):
-    """Copy url's body into the file object out (from its start), 1 MiB at a time."""
+class CacheWriteError(Exception):
+    """The node cache's disk failed a write (full, read-only): not the server's fault, so not retried."""
+
+
+class ShortTransfer(OSError):
+    """The server closed the connection before the body's announced length: retried."""
+
+
+def download(url, out, size=0):
+    """Copy url's body into the file object out (from its start), 1 MiB at a time. A body shorter than announced, or
+    arriving slower than FETCH_MIN_RATE on average (a trickling server), fails the try."""
     out.seek(0)
     out.truncate()
+    started, received = time.monotonic(), 0
     with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT) as response:
-        while chunk := response.read(1 << 20):
-            out.write(chunk)
+        announced = response.headers.get("Content-Length")
+        expected = int(announced) if announced and announced.isdigit() else size  # size: 0 where unknown
+        while chunk := response.read1(1 << 20):  # what has arrived, up to 1 MiB: read() would wait for all of it
+            try:
+                out.write(chunk)
+            except OSError as e:
+                raise CacheWriteError(e.strerror or str(e)) from None
+            received += len(chunk)
+            elapsed = time.monotonic() - started
+            if elapsed > FETCH_TIMEOUT + max(expected, received) / FETCH_MIN_RATE:
+                raise TimeoutError(f"{received} of {expected or 'unknown'} bytes in {elapsed:.3g} s: slower than "
+                                   f"{FETCH_MIN_RATE / 1e3:,.0f} kB/s on average")
+    if announced and received != expected:
+        raise ShortTransfer(f"the connection closed after {received} of {expected} bytes")
 
 
-def retried(url, work, error=ImageError):
-    """work() tried FETCH_TRIES times with doubling waits; a missing file (404, 403, 410) is not retried."""
+def retried(url, work, error=ImageError, then=RESUME, dns=True):
+    """work() tried FETCH_TRIES times with doubling waits; a missing file (404, 403, 410) is not retried, nor (with
+    dns=False) a host name that does not resolve. The last failure is raised as error, naming url and saying what to
+    do then."""
     for attempt in range(FETCH_TRIES):
         try:
             return work()
@@ -108,17 +143,19 @@ def retried(url, work, error=ImageError):
             reason = f"HTTP {e.code} {e.reason}"
             if e.code in (403, 404, 410):
                 raise error(f"data.name: {url} cannot be fetched ({reason})") from None
-        except (urllib.error.URLError, OSError, TimeoutError) as e:
-            reason = str(getattr(e, "reason", None) or e)
+        except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
+            reason = str(getattr(e, "reason", None) or e) or type(e).__name__
+            if not dns and isinstance(getattr(e, "reason", None), socket.gaierror):
+                raise error(f"data.name: {url} cannot be fetched: its host does not resolve ({reason}); "
+                            f"check data.name") from None
         if attempt + 1 < FETCH_TRIES:
             time.sleep(backoff() * 2**attempt)
     raise error(f"data.name: {url} cannot be fetched after {FETCH_TRIES} tries over "
-                f"{backoff() * (2 ** (FETCH_TRIES - 1) - 1):.0f} s ({reason}); check the server, then resume the run "
-                f"(weights/last.pt holds its last saved step)")
+                f"{backoff() * (2 ** (FETCH_TRIES - 1) - 1):.3g} s ({reason}); {then}")
 
 
-def read_json(location, kind, what):
-    """A JSON file of the given __kind__, with errors that name it."""
+def read_json(location, kind, what, fields):
+    """A JSON file of the given __kind__ with fields {key: type}, with errors that name it and the key."""
     try:
         content = json.loads(read_location(location, what))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -126,23 +163,28 @@ def read_json(location, kind, what):
     if not isinstance(content, dict) or content.get("__kind__") != kind:
         raise DatasetError(f"data.name: {location}: {what} is not a {kind} file (its __kind__ is "
                            f"{content.get('__kind__') if isinstance(content, dict) else None!r})")
+    for key, kind_of in fields.items():
+        if not isinstance(content.get(key), kind_of):
+            raise DatasetError(f"data.name: {location}: {what} has no {key} {kind_of.__name__} (it has "
+                               f"{sorted(k for k in content if k != '__kind__')})" if key not in content else
+                               f"data.name: {location}: {what}'s {key} is not a {kind_of.__name__}")
     return content
+
+
+def malformed(location, problem):
+    return DatasetError(f"data.name: {location}: {problem}; index shards another tool wrote with "
+                        f"`python -m data.shard_index`, or write the set with `python -m data.shards`")
 
 
 class ShardSplit:
     """One split of a shard set: its shards (each with its location resolved), classes and samples' labels."""
 
     def __init__(self, index_location, classes):
-        index = read_json(index_location, INDEX_KIND, "the shard index")
+        index = read_json(index_location, INDEX_KIND, "the shard index", {"shardlist": list})
         self.location, self.classes = index_location, list(classes)
-        self.shards = [{**shard, "url": resolve(index_location, shard["url"])} for shard in index["shardlist"]]
+        self.shards = [checked_entry(index_location, shard) for shard in index["shardlist"]]
         if not self.shards:
             raise DatasetError(f"data.name: {index_location}: the shard index lists no shards")
-        for shard in self.shards:
-            if any(len(shard.get(key, ())) != shard["nsamples"] for key in ("labels", "crcs", "sizes")):
-                raise DatasetError(f"data.name: {index_location}: {shard['url']} lacks a label, CRC-32 or size for "
-                                   f"each of its {shard['nsamples']} samples; index shards another tool wrote with "
-                                   f"`python -m data.shard_index`, or write the set with `python -m data.shards`")
         self.labels = np.concatenate([np.asarray(s["labels"], np.int64) for s in self.shards])
         if len(self.labels) and (self.labels.min() < 0 or self.labels.max() >= len(classes)):
             raise DatasetError(f"data.name: {index_location}: labels outside the {len(classes)} classes")
@@ -156,29 +198,52 @@ class ShardSplit:
         return [[Path(urllib.parse.urlparse(s["url"]).path).name, s.get("sha256", "")] for s in self.shards]
 
 
+def checked_entry(index_location, shard):
+    """An index's shard entry, its url resolved against the index, checked for what reading needs."""
+    if not (isinstance(shard, dict) and isinstance(shard.get("url"), str) and isinstance(shard.get("nsamples"), int)):
+        raise malformed(index_location, f"a shardlist entry lacks a url or nsamples ({str(shard)[:80]})")
+    url, n = shard["url"], shard["nsamples"]
+    for key in ("labels", "crcs", "sizes"):
+        values = shard.get(key)
+        if not isinstance(values, list) or len(values) != n:
+            raise malformed(index_location, f"{url} lacks a label, CRC-32 or size for each of its {n} samples")
+    if not all(type(label) is int for label in shard["labels"]):
+        raise malformed(index_location, f"{url}: its labels are not class indexes")
+    if not all(type(crc) is int and 0 <= crc < 2**32 for crc in shard["crcs"]):
+        raise malformed(index_location, f"{url}: its crcs are not CRC-32s")
+    if not all(isinstance(size, list) and len(size) == 2 and all(type(side) is int and side > 0 for side in size)
+               for size in shard["sizes"]):
+        raise malformed(index_location, f"{url}: its sizes are not [height, width] pairs of pixels")
+    return {**shard, "url": resolve(index_location, url)}
+
+
 def open_shard_set(name):
     """(classes, {split: ShardSplit}) of the shard set data.name names (its top file and indexes read, or fetched,
     by every rank: they are small beside the shards)."""
     top_file = top_location(name)
-    top = read_json(top_file, KIND, "the shard set's top file")
+    top = read_json(top_file, KIND, "the shard set's top file", {"classes": list, "splits": dict})
     classes = top["classes"]
+    if not classes or not all(isinstance(c, str) for c in classes):
+        raise DatasetError(f"data.name: {top_file}: its classes are not a list of class names")
+    if not all(isinstance(index, str) for index in top["splits"].values()):
+        raise DatasetError(f"data.name: {top_file}: its splits do not map each split to its index file")
     return classes, {split: ShardSplit(resolve(top_file, index), classes) for split, index in top["splits"].items()}
 
 
 class ShardCache:
     """Where a process finds a shard's bytes: a local shard where it is; a URL's in the node-local cache folder,
     fetched first if missing (one process per machine, the others wait on its lock). Picklable: DataLoader workers
-    get a copy. budget (bytes, 0: none): cached training shards beyond it are removed, least recently opened first
-    (a process that has a shard open keeps reading it)."""
+    get a copy. budget (bytes, 0: none): cached shards beyond it are removed, least recently opened first (a process
+    that has a shard open keeps reading it). then: what a failed fetch's line tells the user to do."""
 
-    def __init__(self, folder, budget=0):
-        self.folder, self.budget = Path(folder), budget
+    def __init__(self, folder, budget=0, then=RESUME):
+        self.folder, self.budget, self.then = Path(folder), budget, then
 
     def local(self, shard):
         """The local path of shard (a ShardSplit entry), fetched first where it is a URL."""
         url = shard["url"]
         if not is_url(url):
-            return self.linked(url)
+            return url
         path = self.folder / f"{shard.get('sha256', '')[:16]}-{Path(urllib.parse.urlparse(url).path).name}"
         try:
             os.utime(path)  # its time is its last use: the budget removes the shards least recently opened
@@ -186,35 +251,37 @@ class ShardCache:
             self.fetch(url, path, shard)
         return str(path)
 
-    def linked(self, path):
-        """A local shard, through a link in the cache folder: wids puts its lock file beside the path it opens, and
-        the shard's own folder may be read-only."""
-        if not Path(path).is_file():  # else wids would copy a file of the same name from the current folder
-            raise DatasetError(f"data.name: {path}: the shard index names it, but it is not there")
-        link = self.folder / f"{hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:16]}-{Path(path).name}"
-        if not link.is_symlink():
-            self.folder.mkdir(parents=True, exist_ok=True)
-            tmp = link.with_name(f".{link.name}.{socket.gethostname()}-{os.getpid()}-{threading.get_ident()}")
-            os.symlink(Path(path).resolve(), tmp)
-            os.replace(tmp, link)
-        return str(link)
-
     def fetch(self, url, path, shard):
         """Download url to path once per machine: under a lock, into a temporary file, checked, then renamed."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        with open(path.with_name(f".{path.name}.lock"), "w") as lock:
+        with self.disk_errors(), open(self.locked_dir() / f".{path.name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another process of this machine may be fetching it
             if path.exists():
                 return
+            for stale in self.folder.glob(f".{path.name}.tmp-*"):  # left by a process killed mid-fetch
+                stale.unlink(missing_ok=True)
             tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{threading.get_ident()}")
             try:
                 with open(tmp, "w+b") as out:
-                    retried(url, lambda: download(url, out))
+                    retried(url, lambda: download(url, out, shard.get("filesize", 0)), then=self.then)
                 check_shard(url, tmp, shard)
                 self.make_room(shard.get("filesize", 0))
                 os.replace(tmp, path)
             finally:
                 tmp.unlink(missing_ok=True)
+
+    def locked_dir(self):
+        self.folder.mkdir(parents=True, exist_ok=True)
+        return self.folder
+
+    @contextlib.contextmanager
+    def disk_errors(self):
+        """The cache folder's own failures (unwritable, full) as one line naming data.cache_dir, not the server."""
+        try:
+            yield
+        except (CacheWriteError, OSError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise DatasetError(f"data.cache_dir: {self.folder} cannot hold the shards fetched ({reason}); free space "
+                               f"there or give data.cache_dir=a folder on a local disk with room") from None
 
     def make_room(self, nbytes):
         """Remove the least recently opened cached shards until nbytes more fit the budget."""
@@ -252,8 +319,8 @@ def check_shard(url, path, shard):
 
 
 class ShardSamples(Dataset):
-    """A split's samples by global index: read through wids (ShardListDataset, opened lazily in each process), the
-    image's bytes checked against their CRC-32."""
+    """A split's samples by global index: each shard opened with wids (IndexedTarSamples, which maps the tar and
+    indexes its members), the last window's shards kept open, the image's bytes checked against their CRC-32."""
 
     def __init__(self, split, cache, window=8):
         self.split, self.cache, self.window = split, cache, window
@@ -261,34 +328,84 @@ class ShardSamples(Dataset):
         self.targets = torch.from_numpy(split.labels)
         self.starts = np.concatenate([[0], np.cumsum(split.lengths)])
         self.shard_of = torch.from_numpy(np.repeat(np.arange(len(split.shards)), split.lengths))
-        self.reader = None
+        self.opened = collections.OrderedDict()  # shard number -> (IndexedTarSamples, path), least recent first
 
     def __getstate__(self):
-        return {**self.__dict__, "reader": None}  # each worker opens its own shards
+        return {**self.__dict__, "opened": collections.OrderedDict()}  # each worker opens its own shards
 
-    def open(self):
-        """wids' ShardListDataset over the split's shards, with this cache as its local names."""
-        import wids  # noqa: PLC0415 (only shard sets need it)
-        shards = [{"url": str(i), "nsamples": int(n)} for i, n in enumerate(self.split.lengths)]
-        with contextlib.redirect_stderr(io.StringIO()):  # it prints a summary line on every open
-            self.reader = wids.ShardListDataset(shards, localname=lambda i: self.cache.local(self.split.shards[int(i)]),
-                                                transformations=[], lru_size=max(2, self.window + 1))
-        return self.reader
+    def tar(self, k):
+        """Shard k's (IndexedTarSamples, local path), opened if it is not among the last window+1 opened."""
+        if k in self.opened:
+            self.opened.move_to_end(k)
+        else:
+            self.opened[k] = self.open(self.split.shards[k])
+            while len(self.opened) > self.window + 1:
+                self.opened.popitem(last=False)[1][0].close()
+        return self.opened[k]
+
+    def open(self, shard):
+        """A shard's tar, its size and sample count checked against the index. A cached shard removed for room
+        between its lookup and its opening is fetched again; an open one stays readable when it is removed."""
+        from wids.wids import IndexedTarSamples  # noqa: PLC0415 (only shard sets need it)
+        url = shard["url"]
+        for _ in range(3):
+            path = self.cache.local(shard)
+            try:
+                stream = open(path, "rb")
+                break
+            except FileNotFoundError:
+                if not is_url(url):
+                    raise DatasetError(f"data.name: {url}: the shard index names it, but it is not there") from None
+            except OSError as e:  # a folder, no permission
+                raise DatasetError(f"data.name: {url}: the shard cannot be opened ({e.strerror or e})") from None
+        else:
+            raise ImageError(f"data.name: {url}: removed from the cache {short_path(self.cache.folder)} three times "
+                             f"before it could be opened; raise data.shard_cache_gb")
+        size = os.fstat(stream.fileno()).st_size
+        try:
+            if "filesize" in shard and size != shard["filesize"]:
+                raise ImageError(f"data.name: {url}: {size} bytes, the shard index says {shard['filesize']}: the "
+                                 f"shard is damaged or was changed since its index was written")
+            try:
+                tar = IndexedTarSamples(path=path, stream=stream)
+            except (struct.error, ValueError, OSError, AssertionError, IndexError, KeyError) as e:  # as wids meets it
+                raise ImageError(f"data.name: {url}: not a readable tar file ({e or type(e).__name__}): the shard "
+                                 f"is damaged") from None
+        except ImageError:
+            stream.close()
+            raise
+        if len(tar) != shard["nsamples"]:
+            tar.close()
+            raise ImageError(f"data.name: {url}: holds {len(tar)} samples, the shard index says {shard['nsamples']}: "
+                             f"the shard was changed since its index was written")
+        return tar, path
 
     def image_bytes(self, i):
         """Sample i's image bytes, checked against their CRC-32."""
-        try:
-            sample = (self.reader or self.open())[i]
-        except FileNotFoundError:  # a cached shard removed for room between its lookup and its opening
-            sample = self.open()[i]
+        k = int(self.shard_of[i])
+        tar, path = self.tar(k)
+        sample = tar[i - int(self.starts[k])]
         data = next((value for key, value in sample.items() if key.lower() in IMAGE_EXTENSIONS), None)
         if hasattr(data, "getvalue"):
             data = data.getvalue()
         if data is None or zlib.crc32(data) != int(self.split.crcs[i]):
-            shard = self.split.shards[int(self.shard_of[i])]["url"]
-            what = "has no image member" if data is None else "does not match its CRC-32: the shard is damaged"
-            raise ImageError(f"data.name: {shard}: sample {sample.get('__key__')} (image {i}) {what}")
+            raise ImageError(self.damaged(k, path, f"sample {sample.get('__key__')} (image {i})", data is None))
         return data
+
+    def damaged(self, k, path, sample, no_image):
+        """The line for a damaged sample; a fetched shard's cached copy (checked when fetched, so damaged on this
+        machine's disk since) is removed, so that the next run fetches it again."""
+        shard = self.split.shards[k]
+        url = shard["url"]
+        if no_image:  # the shard as written: fetching it again would not help
+            return (f"data.name: {url}: {sample} has no image member ({', '.join(IMAGE_EXTENSIONS)}); write the set "
+                    f"again with `python -m data.shards`")
+        what = "does not match its CRC-32"
+        if not is_url(url) or not shard.get("sha256"):
+            return f"data.name: {url}: {sample} {what}: the shard is damaged"
+        Path(path).unlink(missing_ok=True)
+        return (f"data.name: {url}: {sample} {what} in its cached copy {short_path(path)}, damaged since it was "
+                f"fetched: the copy is removed, so that the next run fetches the shard again")
 
     def __len__(self):
         return len(self.targets)
@@ -376,12 +493,18 @@ class ValShards(ShardSamples):
         return (self.transform(image) if self.transform else image), int(self.targets[i])
 
 
-def shard_cache(name, cache_dir="", budget_gb=0.0):
+def shard_cache(name, cache_dir="", budget_gb=0.0, then=RESUME):
     """The node-local cache of data.name's shard set: data.cache_dir, or datasets/shard-cache/, then a folder per
-    set (a digest of its location)."""
+    set (a digest of its location). A set behind a URL needs it writable, which is checked here, before any work."""
     root = Path(cache_dir) if cache_dir else DATASETS_DIR / "shard-cache"
     location = top_location(name) if is_url(name) else str(Path(top_location(name)).resolve())
-    return ShardCache(root / hashlib.sha256(location.encode()).hexdigest()[:16], int(budget_gb * 1e9))
+    cache = ShardCache(root / hashlib.sha256(location.encode()).hexdigest()[:16], int(budget_gb * 1e9), then)
+    if is_url(name):
+        with cache.disk_errors():
+            probe = cache.locked_dir() / f".probe-{socket.gethostname()}-{os.getpid()}"
+            probe.touch()
+            probe.unlink()
+    return cache
 
 
 def check_options(cfg):
@@ -428,7 +551,7 @@ def eval_shards(name, split, transform, classes, weights, cache_dir=""):
     if set_classes != list(classes):
         raise DatasetError(f"{top_location(name)}: its {len(set_classes)} classes are not the {len(classes)} classes "
                            f"{weights} was trained on")
-    return ValShards(splits[split], shard_cache(name, cache_dir), transform)
+    return ValShards(splits[split], shard_cache(name, cache_dir, then=RERUN), transform)
 
 
 def check_same_shards(path, ckpt, train_set):

@@ -20,6 +20,7 @@ a whole one.
 """
 
 import argparse
+import collections
 import hashlib
 import io
 import json
@@ -44,6 +45,9 @@ from data.shard_sets import INDEX_KIND, KIND, TOP
 from data.verify import UNREADABLE, decode, unreadable_reason
 from utils.general import DatasetError, UsageError, cpu_count, short_path
 
+# The formats validation images are stored in as they are, by the extension the reader knows them by (IMAGE_EXTENSIONS)
+EXTENSIONS = {"JPEG": ".jpg", "MPO": ".jpg", "PNG": ".png", "WEBP": ".webp", "BMP": ".bmp", "PPM": ".ppm",
+              "TIFF": ".tif"}
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -81,16 +85,21 @@ def stored(path, train, max_side):
     docstring)."""
     data = Path(path).read_bytes()
     with Image.open(io.BytesIO(data)) as image:
-        image.verify()  # a damaged file is found here, not in training
-    with Image.open(io.BytesIO(data)) as image:
         upright = image.getexif().get(0x0112, 1) == 1  # EXIF orientation: 1 is as stored
         kind, mode, (width, height) = image.format, image.mode, image.size
+        if kind in ("JPEG", "MPO"):  # verify() passes a JPEG cut short: it is decoded at 1/8 scale, which still
+            image.draft(mode, (1, 1))  # reads every byte, so a damaged file is found here, not in training
+            image.load()  # (any other image is decoded in full below)
     fits = not max_side or min(width, height) <= max_side
-    if kind == "JPEG" and upright and mode in ("RGB", "L") and fits:
+    if kind in ("JPEG", "MPO") and upright and mode in ("RGB", "L") and fits:  # MPO: a camera's JPEG, + previews
         return data, ".jpg", (height, width)
     image = decode(io.BytesIO(data))
-    if not train and fits:  # decoded upright and made RGB when read, as an image file is
-        return data, "." + (kind or "png").lower().replace("jpeg", "jpg"), (image.height, image.width)
+    if not train and fits and kind in EXTENSIONS:  # decoded upright and made RGB when read, as an image file is
+        return data, EXTENSIONS[kind], (image.height, image.width)
+    if not train and fits:  # a format the reader does not take by its extension (GIF, ...): stored losslessly
+        buffer = io.BytesIO()
+        image.save(buffer, "PNG")
+        return buffer.getvalue(), ".png", (image.height, image.width)
     if not fits:
         image = resized(image, max_side)
     return jpeg_bytes(image)[0], ".jpg", (image.height, image.width)
@@ -122,8 +131,8 @@ def write_split(samples, folder, name, train, shard_size, max_side):
                                f"; remove it, or check every image with data.skip_corrupt first") from None
 
     with ThreadPoolExecutor(cpu_count()) as pool:  # PIL decodes and encodes without the GIL
-        for ((data, ext, size), label) in tqdm(pool.map(load, samples), total=len(samples), desc=f"{name} shards",
-                                         unit="img", file=sys.stderr):
+        for ((data, ext, size), label) in tqdm(in_order(pool, load, samples, 4 * cpu_count()), total=len(samples),
+                                               desc=f"{name} shards", unit="img", file=sys.stderr):
             if shard is None or (shard["bytes"] + len(data) > shard_size and shard["nsamples"]):
                 shard = new_shard(folder, name, len(shards), shard)
                 shards.append(shard)
@@ -141,6 +150,22 @@ def write_split(samples, folder, name, train, shard_size, max_side):
                            for s in shards]}
     (folder / "index.json").write_text(json.dumps(index, separators=(",", ":")))
     return count, len(shards)
+
+
+def in_order(pool, work, items, ahead):
+    """work(item) for each item on pool's threads, yielded in order, with a few tasks ahead: an item that fails
+    stops the rest at once (pool.map would first submit them all, and finish them before its error is seen)."""
+    pending = collections.deque()
+    try:
+        for item in items:
+            pending.append(pool.submit(work, item))
+            if len(pending) >= ahead:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for future in pending:
+            future.cancel()
 
 
 def new_shard(folder, name, number, previous):

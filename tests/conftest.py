@@ -113,11 +113,15 @@ class Lookup(torch.nn.Module):
 
 
 @contextlib.contextmanager
-def http_server(root, stop_after=None):
+def http_server(root, stop_after=None, cut_first=0, trickle=False, no_length=False):
     """A real HTTP server (tests/http_server.py) serving root: yields (its base URL, its process). With stop_after,
-    it exits when a request after the first stop_after GETs arrives, as a server that dies mid-run."""
-    server = subprocess.Popen([sys.executable, "-u", str(ROOT / "tests" / "http_server.py"), str(root),
-                               *([] if stop_after is None else [str(stop_after)])], stdout=subprocess.PIPE, text=True)
+    it exits when a request after the first stop_after GETs arrives, as a server that dies mid-run; with cut_first,
+    the first cut_first shards it sends stop halfway; with trickle, it sends shards a byte every 50 ms (with
+    no_length, without announcing their length)."""
+    options = [*([] if stop_after is None else ["--stop-after", str(stop_after)]), "--cut-first", str(cut_first),
+               *(["--trickle"] if trickle else []), *(["--no-length"] if no_length else [])]
+    server = subprocess.Popen([sys.executable, "-u", str(ROOT / "tests" / "http_server.py"), str(root), *options],
+                              stdout=subprocess.PIPE, text=True)
     try:
         port = int(server.stdout.readline().split()[1])
         yield f"http://127.0.0.1:{port}", server

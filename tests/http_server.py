@@ -1,38 +1,68 @@
 """A real HTTP server for the shard tests: Python's http.server serving a folder, in a process of its own.
 
-    python tests/http_server.py ROOT [STOP_AFTER]
+    python tests/http_server.py ROOT [--stop-after N] [--cut-first N] [--trickle [--no-length]]
 
-Prints `port N` once listening; with STOP_AFTER, the process exits at once (as a killed server does: connections
-refused from then on) when a request after the first STOP_AFTER GETs arrives, before answering it.
+Prints `port N` once listening. --stop-after N: the process exits at once (as a killed server does: connections
+refused from then on) when a request after the first N GETs arrives, before answering it. --cut-first N: the first N
+GETs of .tar files announce the whole file's length but close the connection after half of it. --trickle: every
+.tar file is sent a byte every 50 ms (with --no-length, without a Content-Length: until the connection closes).
 """
 
+import argparse
+import contextlib
 import functools
 import os
-import sys
+import time
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
-served = {"gets": 0}
+served = {"gets": 0, "cut": 0}
 
 
 class Handler(SimpleHTTPRequestHandler):
-    stop_after = None
+    args = None
 
     def do_GET(self):
         served["gets"] += 1
-        if self.stop_after is not None and served["gets"] > self.stop_after:
+        if self.args.stop_after is not None and served["gets"] > self.args.stop_after:
             os._exit(0)
+        if self.path.endswith(".tar") and (self.args.trickle or served["cut"] < self.args.cut_first):
+            return self.send_faulty(self.args.trickle)
         super().do_GET()
+
+    def send_faulty(self, trickle):
+        with open(self.translate_path(self.path), "rb") as f:
+            body = f.read()
+        self.send_response(200)
+        if not self.args.no_length:
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.close_connection = True
+        if not trickle:
+            served["cut"] += 1
+            self.wfile.write(body[: len(body) // 2])
+            return
+        with contextlib.suppress(ConnectionError):  # the client gave up
+            for i in range(len(body)):
+                self.wfile.write(body[i : i + 1])
+                self.wfile.flush()
+                time.sleep(0.05)
 
     def log_message(self, *args):
         pass
 
 
-def main(root, stop_after=None):
-    Handler.stop_after = None if stop_after is None else int(stop_after)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=root))
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("root")
+    parser.add_argument("--stop-after", type=int)
+    parser.add_argument("--cut-first", type=int, default=0)
+    parser.add_argument("--trickle", action="store_true")
+    parser.add_argument("--no-length", action="store_true")
+    Handler.args = parser.parse_args()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=Handler.args.root))
     print(f"port {server.server_address[1]}", flush=True)
     server.serve_forever()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main()

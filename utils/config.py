@@ -326,10 +326,12 @@ def checkpoint_recipe(saved, source):
 def check_resumable(saved, resumed, source):
     """Refuse a resumed recipe that changes anything but RESUME_KEYS, naming the first such key. data.name may move
     from one shard set's location to another's (a server's new address, a local copy): the resume then checks each
-    shard's SHA-256 against the checkpoint's (data/shard_sets.py check_same_shards)."""
+    shard's SHA-256 against the checkpoint's (data/shard_sets.py check_same_shards). The old location may be gone
+    (the set moved), so it counts as a shard set's unless it is still there as other data."""
     for key in flat_keys(OmegaConf.to_container(resumed)):
         old, new = OmegaConf.select(saved, key), OmegaConf.select(resumed, key)
-        moved_shards = key == "data.name" and names_shards(old) and names_shards(new)
+        moved_shards = (key == "data.name" and names_shards(new)
+                        and (names_shards(old) or not Path(old).expanduser().exists()))
         if old != new and key not in RESUME_KEYS and not moved_shards:
             raise RecipeError(f"{source}: {key}={new!r} cannot change on resume: the run so far was trained with "
                               f"{key}={old!r}; only {', '.join(RESUME_KEYS)} may change (start a new run for the "

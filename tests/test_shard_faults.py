@@ -1,0 +1,295 @@
+"""Faults on the way to a shard's bytes (data/shard_sets.py): transfers cut short or trickling, a cache folder that
+cannot hold the shards, a copy removed or damaged in the node cache, a truncated or missing local shard, a host that
+does not resolve, malformed top files and indexes, a local set moved before a resume; and images the writer
+(data/shards.py) must refuse or store by a known extension."""
+
+import hashlib
+import io
+import json
+import shutil
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import data.shard_sets as shard_sets
+import data.shards as shards
+from conftest import http_server, run_python
+from data.shard_sets import ShardCache, ShardSamples, open_shard_set
+from test_n_invariance import served_shards, write_images
+from test_shards import RECIPE, jpeg_file, members, png_file
+from utils.general import DatasetError, ImageError
+
+
+@pytest.fixture(scope="module")
+def shard_set(tmp_path_factory):
+    base = tmp_path_factory.mktemp("faults")
+    write_images(base / "data")
+    return served_shards(base)
+
+
+@pytest.fixture
+def quick_retries(monkeypatch):
+    monkeypatch.setenv("CLS_FETCH_BACKOFF", "0.01")
+
+
+def served_file(shard_set, shard):
+    return shard_set / "shards" / "train" / Path(shard["url"]).name
+
+
+def test_a_transfer_cut_short_is_fetched_again_and_one_always_cut_is_named(shard_set, tmp_path, quick_retries):
+    with http_server(shard_set, cut_first=2) as (url, _):
+        shard = open_shard_set(f"{url}/shards")[1]["train"].shards[0]
+        path = ShardCache(tmp_path / "cache").local(shard)  # the first two tries stop halfway, the third is whole
+        assert Path(path).read_bytes() == served_file(shard_set, shard).read_bytes()
+    with http_server(shard_set, cut_first=99) as (url, _):
+        shard = open_shard_set(f"{url}/shards")[1]["train"].shards[0]
+        with pytest.raises(ImageError) as error:
+            ShardCache(tmp_path / "cache-2").local(shard)
+    half = shard["filesize"] // 2
+    assert str(error.value) == (f"data.name: {shard['url']} cannot be fetched after 6 tries over 0.31 s (the "
+                                f"connection closed after {half} of {shard['filesize']} bytes); check the server, "
+                                f"then resume the run (weights/last.pt holds its last saved step)")
+    assert [p.name for p in (tmp_path / "cache-2").iterdir()] == [f".{Path(path).name}.lock"]  # no half shard
+
+
+@pytest.mark.parametrize("no_length", [False, True])
+def test_a_trickling_server_fails_each_try_after_its_time(shard_set, tmp_path, quick_retries, monkeypatch, no_length):
+    monkeypatch.setattr(shard_sets, "FETCH_TIMEOUT", 0.3)  # each try: 0.3 s + the size at FETCH_MIN_RATE, 1 GB/s here
+    monkeypatch.setattr(shard_sets, "FETCH_MIN_RATE", 1e9)
+    with http_server(shard_set, trickle=True, no_length=no_length) as (url, _):
+        shard = open_shard_set(f"{url}/shards")[1]["train"].shards[0]
+        with pytest.raises(ImageError) as error:
+            ShardCache(tmp_path / "cache").local(shard)
+        if no_length:  # the top file and indexes: no size known from an index
+            with pytest.raises(DatasetError) as unknown:
+                shard_sets.read_location(shard["url"], "the index")
+            assert " of unknown bytes in 0.3" in str(unknown.value), str(unknown.value)
+    assert "cannot be fetched after 6 tries" in str(error.value)
+    assert f" of {shard['filesize']} bytes in 0.3" in str(error.value), str(error.value)
+    assert " s: slower than 1,000,000 kB/s on average); check the server" in str(error.value), str(error.value)
+
+
+def test_a_tmp_file_left_by_a_killed_fetch_is_removed_by_the_next(shard_set, tmp_path):
+    with http_server(shard_set) as (url, _):
+        shard = open_shard_set(f"{url}/shards")[1]["train"].shards[0]
+        cache = ShardCache(tmp_path / "cache")
+        name = f"{shard['sha256'][:16]}-{Path(shard['url']).name}"
+        stale = tmp_path / "cache" / f".{name}.tmp-elsewhere-123-456"
+        stale.parent.mkdir(parents=True)
+        stale.write_bytes(b"half a shard")
+        cache.local(shard)
+    assert not stale.exists() and (tmp_path / "cache" / name).is_file()
+
+
+def test_a_cache_folder_that_cannot_hold_the_shards_is_named_not_the_server(shard_set, tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file")
+    with http_server(shard_set) as (url, _):
+        result = run_python("train.py", *RECIPE, f"data.name={url}/shards", f"data.cache_dir={blocker}",
+                            f"project={tmp_path}")
+        assert result.returncode == 2 and not (tmp_path / "exp").exists()
+        assert result.stderr.strip().startswith(f"train.py: error: data.cache_dir: {blocker}/")
+        assert "cannot hold the shards fetched (Not a directory); free space there or give data.cache_dir=" in \
+            result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
+        # A disk that fills mid-fetch (here: a file size limit of 4 kB): the cache's disk is named, after one try.
+        script = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+                  "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096)); "
+                  "from data.shard_sets import ShardCache, open_shard_set; from utils.general import DatasetError\n"
+                  f"shard = max(open_shard_set('{url}/shards')[1]['train'].shards, key=lambda s: s['filesize'])\n"
+                  "try: ShardCache(sys.argv[1]).local(shard)\n"
+                  "except DatasetError as e: print(e)")
+        result = run_python("-c", script, tmp_path / "small-disk")
+    assert result.stdout.strip() == (f"data.cache_dir: {tmp_path}/small-disk cannot hold the shards fetched (File "
+                                     f"too large); free space there or give data.cache_dir=a folder on a local disk "
+                                     f"with room"), result.stdout + result.stderr[-2000:]
+
+
+def test_a_cached_shard_removed_before_it_is_opened_is_fetched_again(shard_set, tmp_path, monkeypatch):
+    with http_server(shard_set) as (url, _):
+        split = open_shard_set(f"{url}/shards")[1]["train"]
+        cache = ShardCache(tmp_path / "cache")
+        looked_up = cache.local
+
+        def evicted_at_once(shard):  # another process of the machine makes room just after the lookup
+            path = looked_up(shard)
+            if not evicted:
+                evicted.append(path)
+                Path(path).unlink()
+            return path
+
+        evicted = []
+        monkeypatch.setattr(cache, "local", evicted_at_once)
+        samples = ShardSamples(split, cache)
+        first = samples.image_bytes(0)
+        assert evicted and Path(evicted[0]).is_file()  # fetched again and opened
+    assert first in members(served_file(shard_set, split.shards[0])).values()
+
+
+def test_a_cached_copy_damaged_on_this_disk_is_named_and_removed_then_fetched_again(shard_set, tmp_path):
+    with http_server(shard_set) as (url, _):
+        split = open_shard_set(f"{url}/shards")[1]["train"]
+        cache = ShardCache(tmp_path / "cache")
+        path = Path(cache.local(split.shards[0]))
+        content = bytearray(path.read_bytes())
+        content[512 + 300] ^= 0x55  # inside the first image
+        path.write_bytes(bytes(content))
+        with pytest.raises(ImageError) as error:
+            ShardSamples(split, cache).image_bytes(0)
+        assert str(error.value).startswith(f"data.name: {split.shards[0]['url']}: sample 0")
+        assert str(error.value).endswith(f"does not match its CRC-32 in its cached copy {path}, damaged since it was "
+                                         f"fetched: the copy is removed, so that the next run fetches the shard again")
+        assert not path.exists()
+        assert ShardSamples(split, cache).image_bytes(0) in members(served_file(shard_set, split.shards[0])).values()
+
+
+def test_a_local_shard_cut_short_or_missing_is_named(shard_set, tmp_path):
+    local = tmp_path / "shards"
+    shutil.copytree(shard_set / "shards", local)
+    shard = local / "train" / "train-000002.tar"
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[:-1024])  # a copy that stopped before its end-of-archive blocks
+    split = open_shard_set(local)[1]["train"]
+    samples = ShardSamples(split, ShardCache(tmp_path / "cache"))
+    first = int(samples.starts[2])
+    with pytest.raises(ImageError) as error:
+        samples.image_bytes(first)
+    assert str(error.value) == (f"data.name: {shard}: {size - 1024} bytes, the shard index says {size}: the shard is "
+                                f"damaged or was changed since its index was written")
+    shard.unlink()
+    shard.mkdir()
+    with pytest.raises(DatasetError, match=f"^data.name: {shard}: the shard cannot be opened \\(Is a directory\\)$"):
+        ShardSamples(split, ShardCache(tmp_path / "cache")).image_bytes(first)
+    shard.rmdir()
+    result = run_python("train.py", *RECIPE, f"data.name={local}", f"project={tmp_path}")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
+    assert result.stderr.strip().endswith(f"data.name: {shard}: the shard index names it, but it is not there")
+
+
+def test_a_host_that_does_not_resolve_is_named_at_once(tmp_path):
+    result = run_python("train.py", *RECIPE, "data.name=http://no-such-host.invalid/shards", f"project={tmp_path}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().startswith("train.py: error: data.name: http://no-such-host.invalid/shards/"
+                                            "dataset.json cannot be fetched: its host does not resolve (")
+    assert result.stderr.strip().endswith("); check data.name") and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda top, index: top.pop("classes"), "the shard set's top file has no classes list (it has ['images', "
+                                            "'splits'])"),
+    (lambda top, index: top.update(splits=["train"]), "the shard set's top file's splits is not a dict"),
+    (lambda top, index: index["shardlist"][1].pop("sizes"),
+     "train-000001.tar lacks a label, CRC-32 or size for each of its 2 samples; index shards another tool wrote "
+     "with `python -m data.shard_index`, or write the set with `python -m data.shards`"),
+    (lambda top, index: index["shardlist"][0].pop("nsamples"), "a shardlist entry lacks a url or nsamples ("),
+    (lambda top, index: index["shardlist"][0]["labels"].__setitem__(0, "cat"),
+     "train-000000.tar: its labels are not class indexes"),
+    (lambda top, index: index["shardlist"][0]["crcs"].__setitem__(0, -1), "train-000000.tar: its crcs are not CRC-32s"),
+    (lambda top, index: index["shardlist"][0]["sizes"].__setitem__(0, ["a", 1]),
+     "train-000000.tar: its sizes are not [height, width] pairs of pixels"),
+])
+def test_a_top_file_or_index_without_a_key_is_named(shard_set, tmp_path, change, message):
+    local = tmp_path / "shards"
+    shutil.copytree(shard_set / "shards", local)
+    top, index = (json.loads(p.read_text()) for p in (local / "dataset.json", local / "train" / "index.json"))
+    change(top, index)
+    (local / "dataset.json").write_text(json.dumps(top))
+    (local / "train" / "index.json").write_text(json.dumps(index))
+    with pytest.raises(DatasetError) as error:
+        open_shard_set(local)
+    where = local / ("dataset.json" if "top file" in message else "train/index.json")
+    assert str(error.value).startswith(f"data.name: {where}: {message}"), str(error.value)
+
+
+def test_a_local_set_moved_before_a_resume_is_resumed_from_its_new_place(shard_set, tmp_path):
+    local, moved = tmp_path / "shards", tmp_path / "elsewhere" / "shards"
+    shutil.copytree(shard_set / "shards", local)
+    recipe = [*RECIPE, "train.epochs=1", f"project={tmp_path}"]
+    assert run_python("train.py", *recipe, f"data.name={local}").returncode == 0
+    moved.parent.mkdir()
+    local.rename(moved)
+    result = run_python("train.py", "--resume", tmp_path / "exp", "train.epochs=2", f"data.name={moved}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "epoch 2/2 " in result.stdout
+    result = run_python("train.py", "--resume", tmp_path / "exp", "train.epochs=3", "data.name=digits")
+    assert result.returncode == 2
+    assert "data.name='digits' cannot change on resume" in result.stderr, result.stderr[-2000:]
+
+
+def mpo_file(path):
+    """A camera's multi-picture JPEG: the photo, then a preview."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    photo, preview = (Image.fromarray(np.full((12, 16, 3), v, np.uint8)) for v in (90, 30))
+    photo.save(path, "MPO", save_all=True, append_images=[preview])
+    assert Image.open(path).format == "MPO"
+    return path.read_bytes()
+
+
+def test_the_writer_stores_a_camera_mpo_as_jpg_a_gif_as_png_and_refuses_a_jpeg_cut_short(tmp_path):
+    data = tmp_path / "data"
+    for i in range(3):
+        jpeg_file(data / "train" / "cat" / f"{i}.jpg")
+        png_file(data / "train" / "dog" / f"{i}.png")
+    photo = mpo_file(data / "val" / "cat" / "camera.jpg")
+    shutil.copy(data / "val" / "cat" / "camera.jpg", data / "train" / "cat" / "camera.jpg")
+    Image.fromarray(np.full((8, 8, 3), 40, np.uint8)).save(data / "val" / "cat" / "drawing.png", "GIF")  # misnamed
+    result = run_python("-m", "data.shards", data, tmp_path / "out")
+    assert result.returncode == 0, result.stderr[-3000:]
+    stored = members(tmp_path / "out" / "val" / "val-000000.tar")
+    assert list(stored) == ["000000000.jpg", "000000000.cls", "000000001.png", "000000001.cls"]
+    assert stored["000000000.jpg"] == photo  # as it is, by the extension the reader knows
+    assert photo in members(tmp_path / "out" / "train" / "train-000000.tar").values()  # training's JPEGs too
+    assert np.asarray(Image.open(io.BytesIO(stored["000000001.png"]))).tolist() == [[[40] * 3] * 8] * 8
+    result = run_python("train.py", *RECIPE, "train.epochs=1", f"data.name={tmp_path}/out", f"project={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    cut = data / "train" / "cat" / "big.jpg"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), np.uint8)).save(cut)
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])  # Image.verify() passes it
+    result = run_python("-m", "data.shards", data, tmp_path / "out-2")
+    assert result.returncode == 1 and not (tmp_path / "out-2").exists()
+    assert result.stderr.strip().splitlines()[-1].startswith(f"python -m data.shards: error: {cut}: unreadable "
+                                                             f"image (image file is truncated")
+
+
+def test_the_writer_stops_at_a_bad_image_without_reading_all_the_others(tmp_path, monkeypatch):
+    read = []
+
+    def stored(path, train, max_side):
+        read.append(path)
+        if path == "bad.jpg":
+            raise OSError("unreadable")
+        return b"x", ".jpg", (1, 1)
+
+    monkeypatch.setattr(shards, "stored", stored)
+    samples = [("bad.jpg", 0)] + [(f"{i}.jpg", 0) for i in range(2000)]
+    with pytest.raises(DatasetError, match="bad.jpg: unreadable image"):
+        shards.write_split(samples, tmp_path / "train", "train", True, 10**9, 0)
+    assert len(read) <= 5 * shards.cpu_count() + 1, len(read)  # pool.map would read all 2001 first
+
+
+def test_a_fetched_shard_without_an_image_member_is_named_and_its_copy_kept(shard_set, tmp_path):
+    """As an older writer stored a camera's photo in val: 000000000.mpo, an extension the reader does not know."""
+    copy = tmp_path / "served"
+    shutil.copytree(shard_set, copy)
+    path = copy / "shards" / "train" / "train-000000.tar"
+    content = members(path)
+    with tarfile.open(path, "w") as tar:
+        for name, data in content.items():
+            info = tarfile.TarInfo(name.replace(".jpg", ".mpo"))
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    index_file = copy / "shards" / "train" / "index.json"
+    index = json.loads(index_file.read_text())
+    index["shardlist"][0].update(filesize=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    index_file.write_text(json.dumps(index))
+    with http_server(copy) as (url, _):
+        split = open_shard_set(f"{url}/shards")[1]["train"]
+        cache = ShardCache(tmp_path / "cache")
+        with pytest.raises(ImageError) as error:
+            ShardSamples(split, cache).image_bytes(0)
+    assert str(error.value) == (f"data.name: {url}/shards/train/train-000000.tar: sample 000000000 (image 0) has no "
+                                f"image member (.jpg, .jpeg, .png, .webp, .bmp, .ppm, .tif, .tiff); write the set "
+                                f"again with `python -m data.shards`")
+    assert Path(cache.local(split.shards[0])).is_file()  # the copy is the shard as written: kept
