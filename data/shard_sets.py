@@ -253,7 +253,7 @@ class ShardCache:
 
     def fetch(self, url, path, shard):
         """Download url to path once per machine: under a lock, into a temporary file, checked, then renamed."""
-        with self.disk_errors(), open(self.locked_dir() / f".{path.name}.lock", "w") as lock:
+        with self.disk_errors(), open(self.made_folder() / f".{path.name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another process of this machine may be fetching it
             if path.exists():
                 return
@@ -269,7 +269,8 @@ class ShardCache:
             finally:
                 tmp.unlink(missing_ok=True)
 
-    def locked_dir(self):
+    def made_folder(self):
+        """The cache folder, made if it is not there yet."""
         self.folder.mkdir(parents=True, exist_ok=True)
         return self.folder
 
@@ -501,7 +502,7 @@ def shard_cache(name, cache_dir="", budget_gb=0.0, then=RESUME):
     cache = ShardCache(root / hashlib.sha256(location.encode()).hexdigest()[:16], int(budget_gb * 1e9), then)
     if is_url(name):
         with cache.disk_errors():
-            probe = cache.locked_dir() / f".probe-{socket.gethostname()}-{os.getpid()}"
+            probe = cache.made_folder() / f".probe-{socket.gethostname()}-{os.getpid()}"
             probe.touch()
             probe.unlink()
     return cache
