@@ -182,15 +182,14 @@ class ShardSplit:
     def __init__(self, index_location, classes):
         index = read_json(index_location, INDEX_KIND, "the shard index", {"shardlist": list})
         self.location, self.classes = index_location, list(classes)
-        self.shards = [checked_entry(index_location, shard) for shard in index["shardlist"]]
-        if not self.shards:
+        if not index["shardlist"]:
             raise DatasetError(f"data.name: {index_location}: the shard index lists no shards")
-        self.labels = np.concatenate([np.asarray(s["labels"], np.int64) for s in self.shards])
-        if len(self.labels) and (self.labels.min() < 0 or self.labels.max() >= len(classes)):
+        entries = [checked_entry(index_location, shard) for shard in index["shardlist"]]
+        self.shards = [entry for entry, _ in entries]  # without per-sample lists: every process and worker holds it
+        self.labels, self.crcs, sizes = (np.concatenate(column) for column in zip(*(c for _, c in entries)))
+        if len(self.labels) and self.labels.max() >= len(classes):
             raise DatasetError(f"data.name: {index_location}: labels outside the {len(classes)} classes")
-        self.crcs = np.concatenate([np.asarray(s["crcs"], np.uint32) for s in self.shards])
-        self.sizes = torch.from_numpy(np.concatenate([np.asarray(s["sizes"], np.int64).reshape(-1, 2)
-                                                      for s in self.shards]))  # (height, width)
+        self.sizes = torch.from_numpy(sizes)  # (height, width)
         self.lengths = np.array([s["nsamples"] for s in self.shards], np.int64)
 
     def identity(self):
@@ -199,22 +198,28 @@ class ShardSplit:
 
 
 def checked_entry(index_location, shard):
-    """An index's shard entry, its url resolved against the index, checked for what reading needs."""
+    """(an index's shard entry, its url resolved against the index and its per-sample lists left out; those lists
+    as arrays: labels (int64), crcs (uint32), sizes ((n, 2) int64)), checked for what reading needs."""
     if not (isinstance(shard, dict) and isinstance(shard.get("url"), str) and isinstance(shard.get("nsamples"), int)):
         raise malformed(index_location, f"a shardlist entry lacks a url or nsamples ({str(shard)[:80]})")
     url, n = shard["url"], shard["nsamples"]
-    for key in ("labels", "crcs", "sizes"):
-        values = shard.get(key)
-        if not isinstance(values, list) or len(values) != n:
-            raise malformed(index_location, f"{url} lacks a label, CRC-32 or size for each of its {n} samples")
-    if not all(type(label) is int for label in shard["labels"]):
+    entry = {**{k: v for k, v in shard.items() if k not in ("labels", "crcs", "sizes")},
+             "url": resolve(index_location, url)}
+    try:
+        labels, crcs, sizes = (np.asarray(shard.get(key, ())) for key in ("labels", "crcs", "sizes"))
+    except ValueError:  # ragged lists
+        labels = crcs = sizes = np.zeros(0)
+    if n == 0 and labels.size == crcs.size == sizes.size == 0:
+        return entry, (np.zeros(0, np.int64), np.zeros(0, np.uint32), np.zeros((0, 2), np.int64))
+    if labels.shape != (n,) or crcs.shape != (n,) or sizes.size != 2 * n:
+        raise malformed(index_location, f"{url} lacks a label, CRC-32 or size for each of its {n} samples")
+    if labels.dtype.kind not in "iu" or labels.min() < 0:  # kind: not bool, float or text
         raise malformed(index_location, f"{url}: its labels are not class indexes")
-    if not all(type(crc) is int and 0 <= crc < 2**32 for crc in shard["crcs"]):
+    if crcs.dtype.kind not in "iu" or crcs.min() < 0 or crcs.max() >= 2**32:
         raise malformed(index_location, f"{url}: its crcs are not CRC-32s")
-    if not all(isinstance(size, list) and len(size) == 2 and all(type(side) is int and side > 0 for side in size)
-               for size in shard["sizes"]):
+    if sizes.dtype.kind not in "iu" or sizes.shape != (n, 2) or sizes.min() <= 0:
         raise malformed(index_location, f"{url}: its sizes are not [height, width] pairs of pixels")
-    return {**shard, "url": resolve(index_location, url)}
+    return entry, (labels.astype(np.int64), crcs.astype(np.uint32), sizes.astype(np.int64))
 
 
 def open_shard_set(name):
@@ -345,24 +350,11 @@ class ShardSamples(Dataset):
         return self.opened[k]
 
     def open(self, shard):
-        """A shard's tar, its size and sample count checked against the index. A cached shard removed for room
-        between its lookup and its opening is fetched again; an open one stays readable when it is removed."""
+        """A shard's (tar, local path): its file opened (open_file), then indexed by wids' IndexedTarSamples, its
+        size and sample count checked against the index."""
         from wids.wids import IndexedTarSamples  # noqa: PLC0415 (only shard sets need it)
-        url = shard["url"]
-        for _ in range(3):
-            path = self.cache.local(shard)
-            try:
-                stream = open(path, "rb")
-                break
-            except FileNotFoundError:
-                if not is_url(url):
-                    raise DatasetError(f"data.name: {url}: the shard index names it, but it is not there") from None
-            except OSError as e:  # a folder, no permission
-                raise DatasetError(f"data.name: {url}: the shard cannot be opened ({e.strerror or e})") from None
-        else:
-            raise ImageError(f"data.name: {url}: removed from the cache {short_path(self.cache.folder)} three times "
-                             f"before it could be opened; raise data.shard_cache_gb")
-        size = os.fstat(stream.fileno()).st_size
+        stream, path = self.open_file(shard)
+        url, size = shard["url"], os.fstat(stream.fileno()).st_size
         try:
             if "filesize" in shard and size != shard["filesize"]:
                 raise ImageError(f"data.name: {url}: {size} bytes, the shard index says {shard['filesize']}: the "
@@ -372,14 +364,30 @@ class ShardSamples(Dataset):
             except (struct.error, ValueError, OSError, AssertionError, IndexError, KeyError) as e:  # as wids meets it
                 raise ImageError(f"data.name: {url}: not a readable tar file ({e or type(e).__name__}): the shard "
                                  f"is damaged") from None
+            if len(tar) != shard["nsamples"]:
+                tar.close()
+                raise ImageError(f"data.name: {url}: holds {len(tar)} samples, the shard index says "
+                                 f"{shard['nsamples']}: the shard was changed since its index was written")
         except ImageError:
             stream.close()
             raise
-        if len(tar) != shard["nsamples"]:
-            tar.close()
-            raise ImageError(f"data.name: {url}: holds {len(tar)} samples, the shard index says {shard['nsamples']}: "
-                             f"the shard was changed since its index was written")
         return tar, path
+
+    def open_file(self, shard):
+        """(file object, path) of a shard's local file. A cached shard removed for room between its lookup and its
+        opening is fetched again; once open, it stays readable when it is removed."""
+        url = shard["url"]
+        for _ in range(3):
+            path = self.cache.local(shard)
+            try:
+                return open(path, "rb"), path
+            except FileNotFoundError:
+                if not is_url(url):
+                    raise DatasetError(f"data.name: {url}: the shard index names it, but it is not there") from None
+            except OSError as e:  # a folder, no permission
+                raise DatasetError(f"data.name: {url}: the shard cannot be opened ({e.strerror or e})") from None
+        raise ImageError(f"data.name: {url}: removed from the cache {short_path(self.cache.folder)} three times "
+                         f"before it could be opened; raise data.shard_cache_gb")
 
     def image_bytes(self, i):
         """Sample i's image bytes, checked against their CRC-32."""
