@@ -94,7 +94,7 @@ def failure_line(store, rank, wait_s=0.0):
 
 def say_stopped(script, first):
     """This rank's line on ending for another rank's failure: rank 0 repeats that rank's error, naming it and its
-    machine (the line the user reads), any other rank names it."""
+    machine (the line the user reads), any other rank names it; then a wait that lets the failed rank exit first."""
     try:
         failed = json.loads(_job["store"].get(f"error/{first}"))
     except Exception:
@@ -104,6 +104,10 @@ def say_stopped(script, first):
     else:
         line = f"{script}: rank {RANK} on {HOST} stopped: rank {first} on {failed['host']} failed"
     say(line, stopped_by_another=True)
+    # The failed rank may still wait up to FAILURE_GRACE_S for rank 0's line (said_by_rank0) before it exits. It
+    # should exit first: torchrun then ends this rank, and its summary shows the failed rank's exit code, where a
+    # stopped rank that exited first would have torchrun kill the failed one.
+    time.sleep(FAILURE_GRACE_S + 1)
 
 
 def say(text, stopped_by_another=False):
