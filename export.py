@@ -3,7 +3,8 @@
 and check that its outputs match PyTorch's.
 
 The exported model takes float32 images (N, 3, img_size, img_size), prepared as the file's metadata says (resize,
-centre crop, scale to [0, 1], normalise), and returns logits (N, classes).
+centre crop, scale to [0, 1], normalise), and returns logits (N, classes); a multi-label model returns each class's
+probability (sigmoid) instead, and its metadata holds the per-class thresholds chosen on val.
 
 Usage:
     python export.py --weights runs/train/exp/weights/best.pt --format torchscript onnx --dynamic-batch
@@ -69,6 +70,11 @@ def export(args):
     model = model_from_checkpoint(ckpt, cfg, weights)
     metadata = {"classes": list(classes), **preprocessing(cfg.data), "model": cfg.model.name,
                 "output": f"logits (N, {len(classes)}); softmax gives class probabilities", "weights": str(weights)}
+    if cfg.data.multilabel:  # probabilities: what a deployment compares with the thresholds
+        model = torch.nn.Sequential(model, torch.nn.Sigmoid()).eval()
+        metadata.update(output=f"probabilities (N, {len(classes)}), one per class (sigmoid); a class is predicted "
+                               f"when its probability reaches its threshold",
+                        thresholds=ckpt["thresholds"] or [cfg.train.threshold] * len(classes))
     size = val_size(cfg.data)
     # A dynamic batch is traced on a batch of 2 or more: torch.export specialises a batch of 1 to that size.
     example = torch.randn(max(args.batch_size, 2 if args.dynamic_batch else 1), 3, size, size,
@@ -121,12 +127,14 @@ def export_onnx(model, example, metadata, path, dynamic_batch):
     if "dynamo" in inspect.signature(torch.onnx.export).parameters:  # torch >= 2.5
         options = {"dynamo": True, "dynamic_shapes": ({0: torch.export.Dim("batch")},) if dynamic_batch else None}
     else:  # torch 2.4: the TorchScript-based exporter
-        options = {"dynamic_axes": {"images": {0: "batch"}, "logits": {0: "batch"}} if dynamic_batch else None}
+        options = {"dynamic_axes": {"images": {0: "batch"}, "logits": {0: "batch"}, "probs": {0: "batch"}}
+                   if dynamic_batch else None}
     if "external_data" in inspect.signature(torch.onnx.export).parameters:
         options["external_data"] = False  # one file, weights inside
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, (example,), str(path), input_names=["images"], output_names=["logits"],
+        output = "probs" if "thresholds" in metadata else "logits"  # multi-label models output probabilities
+        torch.onnx.export(model, (example,), str(path), input_names=["images"], output_names=[output],
                           verbose=False, **options)
     proto = onnx.load(str(path))
     for key, value in metadata.items():

@@ -1,11 +1,13 @@
 """Classify images with a checkpoint: the top-k classes and their probabilities for each image, printed and saved as
-CSV and JSON in runs/predict/expN. An unreadable image is named and skipped.
+CSV and JSON in runs/predict/expN. A multi-label checkpoint gives every class whose probability reaches its threshold
+(the per-class ones train.py chose on val, or --threshold). An unreadable image is named and skipped.
 
 Usage:
     python predict.py --weights runs/train/exp/weights/best.pt --source photo.jpg
     python predict.py --weights runs/train/exp/weights/best.pt --source photos/ --topk 3     # a folder, recursively
     python predict.py --weights runs/train/exp/weights/best.pt --source 'photos/**/*.jpg'     # a glob
     python predict.py --weights runs/train/exp/weights/best.pt --source photos/ --tta --save-images  # see them
+    python predict.py --weights runs/train/exp/weights/best.pt --source photos/ --threshold 0.3   # multi-label
 """
 
 import argparse
@@ -46,6 +48,9 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda (GPU LOCAL_RANK), or GPU N as N or cuda:N")
     parser.add_argument("--tta", action="store_true",
                         help="test-time augmentation: the mean softmax of each image and its horizontal flip")
+    parser.add_argument("--threshold", type=float,
+                        help="multi-label: report every class from this probability (default: the checkpoint's "
+                             "per-class thresholds)")
     parser.add_argument("--save-images", action="store_true",
                         help="also save each image with its top-k drawn on it (images/) and contact sheets of all")
     parser.add_argument("--project", default="runs/predict", help="results go to project/name")
@@ -121,6 +126,10 @@ def predict(args):
         LOGGER.info(f"{colorstr('predict:')} TTA: {TTA_NAME}")
         if warning := flip_warning(cfg.data.hflip, args.weights):
             LOGGER.warning(warning)
+    if args.threshold is not None and not cfg.data.multilabel:
+        raise UsageError(f"--threshold {args.threshold}: {args.weights} is a single-label checkpoint (one class per "
+                         f"image); --threshold is for multi-label ones (data.multilabel=true)")
+    thresholds = label_thresholds(args.threshold, ckpt, cfg, device) if cfg.data.multilabel else None
     rows, skipped = [], []
     with torch.no_grad():
         for images, indices, unreadable in tqdm(loader, desc="predict", disable=None if len(loader) > 1 else True,
@@ -132,7 +141,10 @@ def predict(args):
                 continue
             with autocast(device, dtype):
                 images = normalize(images.to(device, non_blocking=True))
-                logits = tta_logits(model, images) if args.tta else model(images)
+                logits = tta_logits(model, images, thresholds is not None) if args.tta else model(images)
+            if thresholds is not None:
+                rows += labelled_rows(logits.float().sigmoid(), thresholds, [paths[i] for i in indices], classes)
+                continue
             top = logits.float().softmax(dim=1).topk(k, dim=1)  # with TTA: the mean of the two softmaxes
             for i, probs, labels in zip(indices, top.values.tolist(), top.indices.tolist()):
                 rows.append({"file": str(paths[i]), "top": [{"class": classes[c], "prob": p}
@@ -149,26 +161,62 @@ def predict(args):
     return rows, skipped
 
 
+def label_thresholds(given, ckpt, cfg, device):
+    """A multi-label model's (C,) thresholds on device: --threshold for every class, else the checkpoint's per-class
+    ones, else the recipe's train.threshold."""
+    if given is not None and not 0 < given < 1:
+        raise UsageError(f"--threshold {given}: must be a probability in (0, 1)")
+    chosen = ckpt.get("thresholds") if given is None else None
+    value = chosen if chosen is not None else given if given is not None else cfg.train.threshold
+    return torch.as_tensor(value, dtype=torch.float32, device=device).expand(len(ckpt["classes"]))
+
+
+def labelled_rows(probs, thresholds, paths, classes):
+    """Multi-label rows: per image, under 'labels', every class whose probability reaches its threshold, the
+    likeliest first, as {'class', 'prob'} entries (single-label rows hold their top k under 'top')."""
+    rows = []
+    for path, p, chosen in zip(paths, probs.tolist(), (probs >= thresholds).tolist()):
+        labels = sorted((c for c in range(len(classes)) if chosen[c]), key=lambda c: -p[c])
+        rows.append({"file": str(path), "labels": [{"class": classes[c], "prob": p[c]} for c in labels]})
+    return rows
+
+
+def entries(row):
+    """A row's {'class', 'prob'} entries: a multi-label row's labels, or a single-label row's top k."""
+    return row["labels"] if "labels" in row else row["top"]
+
+
 def report(rows, skipped, k):
-    """The console table: each image's top-k classes with their probabilities (the first MAX_ROWS_SHOWN)."""
-    table = format_table(["file", *(f"top-{j + 1}" for j in range(k))],
-                         [[r["file"], *(f"{t['class']} {t['prob']:.3f}" for t in r["top"])]
-                          for r in rows[:MAX_ROWS_SHOWN]])
+    """The console table: each image's top-k classes with their probabilities, or its labels (multi-label); the
+    first MAX_ROWS_SHOWN."""
+    if rows and "labels" in rows[0]:
+        table = format_table(["file", "labels"], [[r["file"], ", ".join(f"{t['class']} {t['prob']:.3f}" for t in
+                                                                        r["labels"]) or "-"]
+                                                  for r in rows[:MAX_ROWS_SHOWN]])
+    else:
+        table = format_table(["file", *(f"top-{j + 1}" for j in range(k))],
+                             [[r["file"], *(f"{t['class']} {t['prob']:.3f}" for t in r["top"])]
+                              for r in rows[:MAX_ROWS_SHOWN]])
     more = f"\n... and {len(rows) - MAX_ROWS_SHOWN} more" if len(rows) > MAX_ROWS_SHOWN else ""
     return f"{table}{more}\n{len(rows)} image(s) classified, {len(skipped)} unreadable skipped"
 
 
 def save_results(save_dir, rows, skipped, k, facts, drawn_column=False):
-    """predictions.csv (file, then class and probability for each of the top k, then with drawn_column the path of
-    the image's drawn copy) and predictions.json."""
+    """predictions.csv (file, then class and probability for each of the top k, or for multi-label rows the labels
+    and their probabilities, each '|'-separated as in a training CSV, then with drawn_column the path of the image's
+    drawn copy) and predictions.json."""
+    multilabel = bool(rows) and "labels" in rows[0]
     with open(save_dir / "predictions.csv", "w", newline="", encoding="utf-8") as f:  # class names in any script
         writer = csv.writer(f)
         # drawn comes last so that the other columns keep their places with and without --save-images
-        writer.writerow(["file", *(f"{name}{j + 1}" for j in range(k) for name in ("class", "prob")),
+        writer.writerow(["file", *(["labels", "probs"] if multilabel else
+                                   (f"{name}{j + 1}" for j in range(k) for name in ("class", "prob"))),
                          *(["drawn"] if drawn_column else [])])
         for r in rows:
-            writer.writerow([r["file"], *(v for t in r["top"] for v in (t["class"], f"{t['prob']:.6g}")),
-                             *([r["drawn"]] if drawn_column else [])])
+            values = (["|".join(t["class"] for t in r["labels"]),
+                       "|".join(f"{t['prob']:.6g}" for t in r["labels"])] if multilabel else
+                      (v for t in r["top"] for v in (t["class"], f"{t['prob']:.6g}")))
+            writer.writerow([r["file"], *values, *([r["drawn"]] if drawn_column else [])])
     (save_dir / "predictions.json").write_text(json.dumps({**facts, "predictions": rows, "skipped": skipped},
                                                           indent=1) + "\n")
 
@@ -182,20 +230,20 @@ def name_drawn_copies(save_dir, rows):
 
 
 def save_images(save_dir, rows):
-    """For people: each classified image with its top-k drawn on it (small ones enlarged) at the path
-    name_drawn_copies gave it, and contact sheets of SHEET_SIZE thumbnails captioned with their top-1
-    (contact_sheet.jpg, contact_sheet_2.jpg, ...). Returns what it wrote, for the console."""
+    """For people: each classified image with its top-k (multi-label: its labels) drawn on it (small ones enlarged)
+    at the path name_drawn_copies gave it, and contact sheets of SHEET_SIZE thumbnails captioned with their top-1
+    (multi-label: their labels) (contact_sheet.jpg, contact_sheet_2.jpg, ...). Returns what it wrote."""
     (save_dir / "images").mkdir()
     sheets = []
     for start in range(0, len(rows), SHEET_SIZE):
         thumbnails, captions = [], []
         for r in rows[start : start + SHEET_SIZE]:
             image = decode(r["file"])
-            lines = [f"{t['prob']:.2f} {t['class']}" for t in r["top"]]  # the probability first, as in yolov5
+            lines = [f"{t['prob']:.2f} {t['class']}" for t in entries(r)] or ["no label"]  # probability first
             annotated_image(image, lines).save(r["drawn"], quality=95)
             image.thumbnail((THUMBNAIL_SIDE, THUMBNAIL_SIDE))  # a sheet holds thumbnails, not 100 full photos
             thumbnails.append(image)
-            captions.append(lines[0])
+            captions.append(lines[0] if "top" in r else ",".join(t["class"] for t in r["labels"]) or "-")
         sheets.append(f"contact_sheet{f'_{len(sheets) + 1}' if sheets else ''}.jpg")
         contact_sheet(thumbnails, captions).save(save_dir / sheets[-1], quality=95)
     return [f"images/ ({len(rows)})", *sheets]

@@ -33,12 +33,13 @@ from data.transforms import crop_spec, normalizer, val_size
 from models import build_model, check_input_size, check_model_name, start_from
 from models.pretrained import fine_tuning, follow_weights, freeze_batchnorm
 from utils.checkpoint import restore, save_state
-from utils.config import Recipe
+from utils.config import Recipe, best_metric
 from utils.distributed import (cleanup_distributed, exit_on_error, keep_ranks_in_step, setup_distributed,
                                stop_if_another_rank_failed)
 from utils.general import LOGGER, RANK, WORLD_SIZE, SharedError, UsageError, colorstr
 from utils.loggers import WRONG_SHOWN, RunLogger, epoch_summary
 from utils.metrics import EpochLoss, evaluate, evaluate_ema
+from utils.multilabel import MultiLabelLoss, evaluate_multilabel, evaluate_multilabel_ema
 from utils.optim import build_optimizer, build_scheduler, stepped_parameters
 from utils.precision import autocast, autocast_dtype, grad_scaler
 from utils.run import make_run_dir, next_steps, prepare_run, resumed_run_dir, stopped_message
@@ -62,9 +63,11 @@ class TrainState:
     logged_loss: tuple = (0.0, 0)  # epoch_loss when the loss was last logged (every train.log_every_steps steps)
     best_top1: float = -1.0  # the best val score of best_metric so far (named, in checkpoints too, for the default)
     best_epoch: int = 0
-    best_metric: str = "top1"  # train.best_metric: what best.pt and train.patience follow, top1 or balanced_top1
+    best_metric: str = "top1"  # train.best_metric as it applies (config.best_metric): top1, balanced_top1 or map
     ema: torch.optim.swa_utils.AveragedModel | None = None  # EMA of the weights (train.ema_decay), None when off
     frozen_epochs: int = 0  # fine-tuning (model.freeze_epochs): the pretrained part is frozen in epochs before this
+    thresholds: list | None = None  # multi-label: per class, the threshold maximising F1 at the last validation
+    ema_thresholds: list | None = None  # ... and the EMA's, saved with its weights in best.pt
 
 
 @dataclass
@@ -85,6 +88,7 @@ class Loop:
     classes: list
     train_images: int
     data_identity: dict | None = None  # a shard set's shards and their SHA-256, which a resume must find unchanged
+    multilabel: bool = False  # data.multilabel: sigmoid outputs, BCE, mAP
 
 
 def parse_args(argv=None):
@@ -153,7 +157,8 @@ def train(cfg, vote, dtype, run_dir=None, resume=None):
     LOGGER.info(f"{colorstr('train:')} {WORLD_SIZE} process(es) on {device.type}, {threads} thread(s) and "
                 f"{workers} worker(s) each ({workers_why}); {len(train_set)} train / {len(val_set)} val images, "
                 f"{len(classes)} classes; {cfg.model.name} ({params:,} parameters) in "
-                f"{str(dtype or torch.float32).removeprefix('torch.')}; batch {cfg.train.batch_size} "
+                f"{str(dtype or torch.float32).removeprefix('torch.')}"
+                f"{', multi-label' if cfg.data.multilabel else ''}; batch {cfg.train.batch_size} "
                 f"({cfg.train.batch_size // WORLD_SIZE} per process), {steps} steps per epoch"
                 f"{f'; resuming at epoch {state.epoch + 1}, step {state.step}' if resume else ''}")
     # Only now: a run that fails on its data or model leaves no directory behind.
@@ -164,7 +169,8 @@ def train(cfg, vote, dtype, run_dir=None, resume=None):
                        ) if RANK == 0 else None
     loop = Loop(OmegaConf.to_object(cfg), train_loader, val_loader, normalizer(cfg.data, device), mix,
                 build_criterion(cfg.train, train_set, device), dtype, vote, logger, run_dir,
-                OmegaConf.to_container(cfg), list(classes), len(train_set), getattr(train_set, "identity", None))
+                OmegaConf.to_container(cfg), list(classes), len(train_set), getattr(train_set, "identity", None),
+                cfg.data.multilabel)
     start, started_at = time.time(), (state.epoch, state.step)
     for epoch in range(state.epoch, cfg.train.epochs):
         epoch_start = time.time()
@@ -202,7 +208,7 @@ def build_state(cfg, num_classes, device, dtype, steps, pretrained=True):
     model = sync_batchnorm(model, cfg.model.sync_bn, device)
     optimizer = build_optimizer(model, cfg.optim, head, backbone_lr)
     scheduler = build_scheduler(optimizer, cfg.sched, cfg.train.epochs, steps, frozen_epochs)
-    state = TrainState(model, optimizer, scheduler, grad_scaler(device, dtype), best_metric=cfg.train.best_metric,
+    state = TrainState(model, optimizer, scheduler, grad_scaler(device, dtype), best_metric=best_metric(cfg),
                        frozen_epochs=frozen_epochs)
     if cfg.train.ema_decay:
         if cfg.train.ema_steps > cfg.train.epochs * steps:
@@ -214,12 +220,15 @@ def build_state(cfg, num_classes, device, dtype, steps, pretrained=True):
 
 
 def build_criterion(cfg, train_set, device):
-    """Cross-entropy summed over a batch, with label smoothing and train.class_weights (cfg: the train section)."""
+    """Cross-entropy summed over a batch, with label smoothing and train.class_weights (cfg: the train section);
+    for multi-label data, BCE with per-class positive weights (utils/multilabel.py)."""
     # train_step divides the sum by the global step's sample count: with class weights, the step's gradient is the
     # weighted sum over its samples / their count. A weighted mean would divide by the step's summed weight, which
     # takes every rank's share (a collective per step); the count is known to every rank at any N. The weights
     # average 1 over the training set, so train/loss, the weighted loss per image, keeps the unweighted scale.
     weight = balanced_class_weights(train_set).to(device) if cfg.class_weights == "balanced" else None
+    if getattr(train_set, "multilabel", False):
+        return MultiLabelLoss(len(train_set.classes), weight, cfg.label_smoothing).to(device)
     return nn.CrossEntropyLoss(weight, label_smoothing=cfg.label_smoothing, reduction="sum")
 
 
@@ -314,9 +323,14 @@ def at_shared_step(loop, state, epoch, verdict, running, epoch_end=False):
 
 
 def validate(loop, state):
-    """The val metrics of the weights and their EMA (with train.tta, of each image and its flip)."""
+    """The val metrics of the weights and their EMA (with train.tta, of each image and its flip); multi-label's with
+    each one's per-class thresholds."""
     args = (loop.val_loader, loop.normalize, len(loop.classes), loop.vote.device, loop.dtype)
     tta = loop.cfg.train.tta
+    if loop.multilabel:
+        threshold = loop.cfg.train.threshold
+        metrics = evaluate_multilabel(de_parallel(state.model), *args, threshold=threshold, tta=tta)
+        return {**metrics, **evaluate_multilabel_ema(state.ema, *args, threshold=threshold, tta=tta)}
     metrics = evaluate(de_parallel(state.model), *args, keep_wrong=WRONG_SHOWN if loop.logger else 0, tta=tta)
     return {**metrics, **evaluate_ema(state.ema, *args, tta=tta)}
 
@@ -326,6 +340,7 @@ def end_epoch(loop, state, epoch, metrics):
     better), the logs, and last.pt (and best.pt when it improved). Returns whether a stop signal arrived during
     validation (save's vote)."""
     state.epoch, state.step, state.epoch_loss, state.logged_loss = epoch + 1, 0, (0.0, 0), (0.0, 0)
+    state.thresholds, state.ema_thresholds = metrics.get("thresholds"), metrics.get("ema_thresholds")
     improved, ema_better = record_best(state, metrics, epoch)
     if loop.logger:
         loop.logger.log_epoch(metrics, (epoch + 1) * loop.loader.sampler.steps()[0])

@@ -1,6 +1,7 @@
 """Validate a checkpoint: top-1, balanced top-1 (mean per-class recall), top-5, loss, per-class precision, recall
 and top-5 accuracy, and the confusion matrix, as one process or many under torchrun (every image is counted exactly
-once).
+once). A multi-label checkpoint: mAP and per-class AP, and F1, precision, recall and exact match at its per-class
+thresholds (chosen on val by train.py) or at --threshold.
 
 The checkpoint carries its class names and its recipe's preprocessing, so no recipe is needed.
 
@@ -8,6 +9,7 @@ Usage:
     python val.py --weights runs/train/exp/weights/best.pt
     torchrun --nproc_per_node=2 val.py --weights runs/train/exp/weights/best.pt --split train
     python val.py --weights runs/train/exp/weights/best.pt --tta      # each image and its horizontal flip
+    python val.py --weights runs/train/exp/weights/best.pt --threshold 0.5     # multi-label: one for all classes
 """
 
 import argparse
@@ -18,6 +20,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from data.datasets import build_dataloader, named_eval_dataset, skip_unreadable, skipped_message
+from data.multilabel import check_task
 from data.transforms import normalizer, val_transforms
 from models import model_from_checkpoint
 from utils.checkpoint import load_model_checkpoint, position
@@ -26,6 +29,7 @@ from utils.distributed import (cleanup_distributed, exit_on_error, on_rank0, set
                                stop_if_another_rank_failed)
 from utils.general import LOGGER, RANK, WORLD_SIZE, UsageError, colorstr, format_table, increment_path, short_path
 from utils.metrics import evaluate, per_class
+from utils.multilabel import evaluate_multilabel
 from utils.plots import confusion_figure, save_figure
 from utils.precision import inference_precision
 from utils.torch_utils import select_device, set_device, set_threads
@@ -46,6 +50,9 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda (GPU LOCAL_RANK), or GPU N as N or cuda:N")
     parser.add_argument("--tta", action="store_true",
                         help="test-time augmentation: the mean softmax of each image and its horizontal flip")
+    parser.add_argument("--threshold", type=float,
+                        help="multi-label: count a label from this probability, for every class (default: the "
+                             "checkpoint's per-class thresholds)")
     parser.add_argument("--project", default="runs/val", help="results go to project/name")
     parser.add_argument("--name", default="exp", help="run name, incremented (exp, exp2, ...) when taken")
     return parser.parse_args(argv)
@@ -80,6 +87,10 @@ def validate(args):
     _, workers, _ = set_threads(cfg.data.workers if args.workers is None else args.workers, device_type=device.type)
     dataset = named_eval_dataset(args.data or cfg.data.name, args.split, val_transforms(cfg.data), classes,
                                  args.weights, cfg.data.csv_allow_outside, cfg.data.cache_dir)
+    if args.threshold is not None and not cfg.data.multilabel:
+        raise UsageError(f"--threshold {args.threshold}: {args.weights} is a single-label checkpoint (one class per "
+                         f"image); --threshold is for multi-label ones (data.multilabel=true)")
+    check_task(dataset, cfg.data.multilabel, args.data or cfg.data.name)
     if cfg.data.skip_corrupt and hasattr(dataset, "samples"):  # as training did: its recorded top-1 left them out
         skipped = skip_unreadable(dataset)
         if skipped and RANK == 0:
@@ -95,15 +106,36 @@ def validate(args):
                 f"batch {batch_size}, {precision}{f'; TTA: {TTA_NAME}' if args.tta else ''}")
     if args.tta and (warning := flip_warning(cfg.data.hflip, args.weights)) and RANK == 0:  # prints on every rank
         LOGGER.warning(warning)
-    metrics = evaluate(model, loader, normalizer(cfg.data, device), len(classes), device, dtype, tta=args.tta)
+    facts = {"weights": str(args.weights), "epoch": ckpt["epoch"], "step": ckpt["step"], "data": str(dataset.root),
+             "processes": WORLD_SIZE, "batch_size": batch_size, "precision": precision, "tta": args.tta}
+    if cfg.data.multilabel:
+        threshold, facts["thresholds"] = thresholds(args.threshold, ckpt, cfg)
+        LOGGER.info(f"{colorstr('val:')} multi-label: F1, precision, recall and exact match at thresholds "
+                    f"{facts['thresholds']}")
+        metrics = evaluate_multilabel(model, loader, normalizer(cfg.data, device), len(classes), device, dtype,
+                                      threshold, args.tta)
+        report_fn, save_fn = report_multilabel, save_multilabel_results
+    else:
+        metrics = evaluate(model, loader, normalizer(cfg.data, device), len(classes), device, dtype, tta=args.tta)
+        report_fn, save_fn = report, save_results
     if RANK == 0:
         save_dir = increment_path(Path(args.project) / args.name, mkdir=True)
-        LOGGER.info(report(metrics, classes))
-        files = save_results(save_dir, metrics, classes, {
-            "weights": str(args.weights), "epoch": ckpt["epoch"], "step": ckpt["step"], "data": str(dataset.root),
-            "processes": WORLD_SIZE, "batch_size": batch_size, "precision": precision, "tta": args.tta})
+        LOGGER.info(report_fn(metrics, classes))
+        files = save_fn(save_dir, metrics, classes, facts)
         LOGGER.info(f"Results saved to {colorstr('bold', str(save_dir))}: {', '.join(files)}")
     return metrics
+
+
+def thresholds(given, ckpt, cfg):
+    """Multi-label: (the threshold to count labels from: --threshold for every class, else the checkpoint's
+    per-class ones, else the recipe's train.threshold; how it was chosen, in words)."""
+    if given is not None:
+        if not 0 < given < 1:
+            raise UsageError(f"--threshold {given}: must be a probability in (0, 1)")
+        return given, f"--threshold {given} for every class"
+    if ckpt.get("thresholds") is not None:
+        return ckpt["thresholds"], "per class, chosen on val by train.py (maximising each class's F1)"
+    return cfg.train.threshold, f"train.threshold={cfg.train.threshold} for every class (none saved per class)"
 
 
 def report(metrics, classes):
@@ -117,6 +149,33 @@ def report(metrics, classes):
     rows = [(name, n, f"{precision:.3f}", fmt(recall), fmt(top5_acc))[:columns]
             for name, (n, precision, recall, top5_acc) in zip(classes, per_class(metrics["class_counts"]))]
     return f"{overall}\n" + format_table(["class", "images", "precision", "recall", "top-5"][:columns], rows)
+
+
+def report_multilabel(metrics, classes):
+    """The console report of a multi-label model: overall metrics, then one row per class."""
+    overall = (f"mAP {metrics['val/map']:.2%}  F1 {metrics['val/f1']:.2%}  precision {metrics['val/precision']:.2%}  "
+               f"recall {metrics['val/recall']:.2%}  exact match {metrics['val/exact_match']:.2%}  loss "
+               f"{metrics['val/loss']:.4f}  ({metrics['val/samples']} images)")
+    if len(classes) > MAX_CLASSES_SHOWN:
+        return f"{overall}\n(per-class results of the {len(classes)} classes in per_class.csv)"
+    rows = [(name, n, fmt(ap), fmt(precision), fmt(recall), fmt(f1), f"{best:.3f}")
+            for name, (n, ap, precision, recall, f1, best) in zip(classes, metrics["per_class"])]
+    header = ["class", "support", "AP", "precision", "recall", "F1", "best threshold"]
+    return f"{overall}\n" + format_table(header, rows)
+
+
+def save_multilabel_results(save_dir, metrics, classes, facts):
+    """A multi-label model's metrics.json and per_class.csv (support, AP, precision, recall and F1 at the
+    thresholds used, and each class's threshold maximising F1 on this split); returns the names of the files."""
+    summary = {name: metrics[f"val/{name}"] for name in ("map", "f1", "precision", "recall", "exact_match", "loss")}
+    (save_dir / "metrics.json").write_text(json.dumps({**summary, "images": metrics["val/samples"], **facts},
+                                                      indent=2) + "\n")
+    with open(save_dir / "per_class.csv", "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["class", "support", "ap", "precision", "recall", "f1", "best_threshold"])
+        for name, row in zip(classes, metrics["per_class"]):
+            writer.writerow([name, *("" if v is None else f"{v:.6g}" for v in row)])
+    return ["metrics.json", "per_class.csv"]
 
 
 def fmt(value):

@@ -33,6 +33,7 @@ from torch.utils.data import Dataset
 from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 
+from data.multilabel import multi_hot
 from data.sampler import sample_seed
 from data.transforms import crop_batch, crop_params, crop_spec
 from utils.general import LOGGER, SharedError, colorstr, cpu_count
@@ -54,7 +55,10 @@ class RamImages(Dataset):
     def __init__(self, source, transform=None, spec=None, seed=0, budget=MEASURE, used=0):
         self.classes, self.root, self.spec, self.seed, self.epoch = source.classes, source.root, spec, seed, 0
         self.samples = getattr(source, "samples", None)  # image files, where the source has them
-        self.targets = torch.as_tensor(source.targets, dtype=torch.int64)
+        # Multi-label: the source's class-index tuples, made multi-hot per batch (a byte per class and image
+        # would be 1.3 GB at ImageNet's size with 1,000 classes)
+        self.multilabel = getattr(source, "multilabel", False)
+        self.targets = source.targets if self.multilabel else torch.as_tensor(source.targets, dtype=torch.int64)
         store = store_transform(spec) if spec is not None else None
         sizes, self.stored, self.pixels, self.offsets = decode_all(
             source, transform, store, memory_budget() if budget == MEASURE else budget, used)
@@ -82,10 +86,12 @@ class RamImages(Dataset):
         and the (N, 2) scales that map them to the stored image."""
         ids = np.asarray(ids, dtype=np.uint64)
         index = torch.from_numpy((ids % len(self)).astype(np.int64))
+        targets = (multi_hot([self.targets[i] for i in index.tolist()], len(self.classes)) if self.multilabel
+                   else self.targets[index])
         if self.spec is None:
-            return self.gather(index), self.targets[index]
+            return self.gather(index), targets
         params = seeded_crops(self.seed, self.epoch, ids, self.sizes[index], self.spec)
-        return self.gather(index), self.targets[index], params, self.scales[index]
+        return self.gather(index), targets, params, self.scales[index]
 
     def gather(self, index):
         """The images of index as one (N, C, H, W) tensor of the batch's largest height and width, each image in

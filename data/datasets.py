@@ -21,6 +21,7 @@ from data.jpeg_cache import decodes_on_device, jpeg_datasets
 from data.layouts import (CLASS_FOLDERS, CSV_FILES, SPLIT_FILE, VAL_NAMES, HoldOut, csv_dataset, csv_datasets, either,
                           find_layout, first_present, listed_alike, listed_split, read_split, split_files)
 from data.mix import batch_mixer
+from data.multilabel import check_task, positive_weights, write_multidigits
 from data.shard_sets import describe, eval_shards, shard_datasets
 from data.sampler import BalancedSampler, DistributedShuffleSampler, SeededSamples, seed_hash
 from data.transforms import crop_spec, train_transforms, val_transforms
@@ -54,7 +55,8 @@ def write_digits(root):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-EMBEDDED = {"digits": write_digits}  # datasets that ship with our requirements, written on first use
+# Datasets that ship with our requirements, written on first use.
+EMBEDDED = {"digits": write_digits, "multidigits": write_multidigits}
 
 
 def dataset_root(name):
@@ -270,10 +272,13 @@ def training_datasets(cfg, seed, saved_in=None, device=torch.device("cpu")):
         return train_set, val_set
     hold_out = HoldOut(cfg.val_split, seed, saved_in)
     if cfg.cache == "none":
-        return train_val_datasets(cfg.name, train_transforms(cfg), val_transforms(cfg), cfg.skip_corrupt, hold_out,
-                                  cfg.csv_allow_outside)
+        train_set, val_set = train_val_datasets(cfg.name, train_transforms(cfg), val_transforms(cfg), cfg.skip_corrupt,
+                                                hold_out, cfg.csv_allow_outside)
+        check_task(train_set, cfg.multilabel, cfg.name)
+        return train_set, val_set
     train_source, val_source = train_val_datasets(cfg.name, None, None, cfg.skip_corrupt, hold_out,
                                                   cfg.csv_allow_outside)
+    check_task(train_source, cfg.multilabel, cfg.name)  # before decoding every image
     if cfg.cache == "jpeg":
         return jpeg_datasets(train_source, val_source, cfg, seed, val_transforms(cfg), device)
     return cached_datasets(train_source, val_source, cfg, seed, val_transforms(cfg))
@@ -373,7 +378,9 @@ def set_epoch(loader, epoch, start_step=0):
 def balanced_class_weights(dataset):
     """train.class_weights=balanced, scikit-learn's: class c weighs n / (k * count_c), for n images in k classes
     that have any, so the weights of the n images average 1 and a weighted loss keeps the unweighted one's scale.
-    A class without images weighs 0."""
+    A class without images weighs 0. Multi-label data: each class's positive weight (positive_weights)."""
+    if getattr(dataset, "multilabel", False):
+        return positive_weights(dataset)
     counts = torch.bincount(torch.as_tensor(dataset.targets, dtype=torch.int64), minlength=len(dataset.classes))
     weights = len(dataset) / (counts.count_nonzero() * counts.double())  # inf where count_c is 0: replaced
     return torch.where(counts > 0, weights, 0.0).float()

@@ -14,9 +14,9 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 from torchvision.datasets import VisionDataset
 
+from data.multilabel import multi_hot, split_labels, target_bytes
 from utils.distributed import gather_object, on_rank0
 from utils.general import LOGGER, RANK, DatasetError, colorstr, error_line
 
@@ -39,14 +39,15 @@ class HoldOut:
 
 class ListedImages(VisionDataset):
     """Images given as (path, class index) samples, read like an ImageFolder's: the same attributes and the same
-    loader. name ('train', 'val', 'valid', ...) names the file data.skip_corrupt keeps its results in."""
+    loader. name ('train', 'val', 'valid', ...) names the file data.skip_corrupt keeps its results in. Multi-label
+    samples hold a tuple of class indices instead, and load as a multi-hot uint8 vector (data/multilabel.py)."""
 
-    def __init__(self, root, samples, classes, transform, loader, name):
+    def __init__(self, root, samples, classes, transform, loader, name, multilabel=False):
         super().__init__(str(root), transform=transform)
         self.classes, self.class_to_idx = list(classes), {c: i for i, c in enumerate(classes)}
         self.samples = self.imgs = samples
         self.targets = [target for _, target in samples]
-        self.loader, self.name = loader, name
+        self.loader, self.name, self.multilabel = loader, name, multilabel
 
     @property
     def verify_cache(self):
@@ -56,6 +57,8 @@ class ListedImages(VisionDataset):
     def __getitem__(self, index):
         path, target = self.samples[index]
         image = self.loader(path)
+        if self.multilabel:
+            target = multi_hot([target], len(self.classes))[0]
         return (image if self.transform is None else self.transform(image)), target
 
     def __len__(self):
@@ -126,7 +129,7 @@ def listing(dataset):
     prefix = os.path.join(dataset.root, "")
     names = "\0".join([path.removeprefix(prefix) for path, _ in dataset.samples])  # no path holds a NUL
     digest = hashlib.sha256(names.encode("utf-8", "surrogateescape"))
-    digest.update(np.asarray(dataset.targets, dtype=np.int64).tobytes())
+    digest.update(target_bytes(dataset.targets))
     digest.update(json.dumps(dataset.classes).encode())
     return len(dataset.samples), len(dataset.classes), digest.hexdigest()
 
@@ -185,6 +188,10 @@ def csv_datasets(root, train_transform, val_transform, loader, allow_outside=Fal
     train_set = csv_dataset(train_csv, train_transform, loader, allow_outside=allow_outside)
     val_set = csv_dataset(val_csv, val_transform, loader, train_set.classes, f"has no training images in {train_csv}",
                           allow_outside)
+    if val_set.multilabel != train_set.multilabel:
+        kinds = {True: "a labels column (several labels per image)", False: "a label column (one label per image)"}
+        raise DatasetError(f"{val_csv}: has {kinds[val_set.multilabel]}, {train_csv.name} has "
+                           f"{kinds[train_set.multilabel]}; give both the same columns")
     trained = {path for path, _ in train_set.samples}  # normalised, as csv_dataset lists them
     shared = [path for path, _ in val_set.samples if path in trained]
     if shared and RANK == 0:
@@ -195,21 +202,26 @@ def csv_datasets(root, train_transform, val_transform, loader, allow_outside=Fal
 
 
 def csv_dataset(csv_file, transform, loader, classes=None, unknown_means="", allow_outside=False):
-    """A ListedImages of a path,label CSV (paths relative to its folder, which they may not leave unless
-    allow_outside). Its classes are its sorted labels (as ImageFolder sorts folders), or the given ones, where a
-    label not among them is an error ending in unknown_means. A bad row, a missing file or an image listed with two
-    labels is a DatasetError naming the CSV and the line; rank 0 warns of an image listed twice with one label."""
-    rows = csv_rows(csv_file)
+    """A ListedImages of a path,label CSV, or a multi-label one of a path,labels CSV (data/multilabel.py; paths
+    relative to its folder, which they may not leave unless allow_outside). Its classes are its sorted labels (as
+    ImageFolder sorts folders), or the given ones, where a label not among them is an error ending in unknown_means.
+    A bad row, a missing file or an image listed with two labels (label sets) is a DatasetError naming the CSV and the
+    line; rank 0 warns of an image listed twice with the same."""
+    rows, multilabel = csv_rows(csv_file)
     names = [os.path.normpath(path) for _, path, _ in rows]  # as compared: ./a.png, a//b.png are a.png, a/b.png
     if not allow_outside:
         check_inside(csv_file, rows, names)
-    classes = sorted({label for _, _, label in rows}) if classes is None else list(classes)
+    labels_of = (lambda labels: labels) if multilabel else (lambda label: (label,))
+    classes = sorted({name for _, _, labels in rows for name in labels_of(labels)}) if classes is None \
+        else list(classes)
     index, folder = {name: i for i, name in enumerate(classes)}, csv_file.parent
-    for line, _, label in rows:
-        if label not in index:
-            raise DatasetError(f"{csv_file}, line {line}: label {label!r} {unknown_means}")
+    for line, _, labels in rows:
+        for label in labels_of(labels):
+            if label not in index:
+                raise DatasetError(f"{csv_file}, line {line}: label {label!r} {unknown_means}")
     repeats = repeated_rows(csv_file, rows, names)
-    samples = [(os.path.join(folder, name), index[label]) for name, (_, _, label) in zip(names, rows)]
+    target = (lambda labels: tuple(sorted(index[name] for name in labels))) if multilabel else index.__getitem__
+    samples = [(os.path.join(folder, name), target(labels)) for name, (_, _, labels) in zip(names, rows)]
     missing = [(line, path) for (line, path, _), (full, _) in zip(rows, samples) if not os.path.isfile(full)]
     if missing:
         (line, path), more = missing[0], f" ({len(missing)} of its {len(rows)} files are missing)"
@@ -219,7 +231,7 @@ def csv_dataset(csv_file, transform, loader, classes=None, unknown_means="", all
         first, line, path = repeats[0]
         LOGGER.warning(f"{colorstr('data:')} {csv_file}: {len(repeats)} row(s) list an image again with the same label "
                        f"(e.g. {path}, lines {first} and {line}); each image counts as often as it is listed")
-    return ListedImages(folder, samples, classes, transform, loader, csv_file.stem)
+    return ListedImages(folder, samples, classes, transform, loader, csv_file.stem, multilabel)
 
 
 def check_inside(csv_file, rows, names):
@@ -246,34 +258,45 @@ def repeated_rows(csv_file, rows, names):
             continue
         if seen_label != label:
             raise DatasetError(f"{csv_file}: line {seen_line} labels {seen_path} {seen_label!r} and line {line} "
-                               f"labels {path} {label!r}; an image has one label: remove one of the rows")
+                               f"labels {path} {label!r}; an image has one label"
+                               f"{' set' if isinstance(label, tuple) else ''}: remove one of the rows")
         repeats.append((seen_line, line, path))
     return repeats
 
 
 def csv_rows(csv_file):
-    """[(line, path, label)] of a CSV whose header names a path and a label column (others are ignored)."""
+    """([(line, path, label)], False) of a CSV whose header names a path and a label column (others are ignored);
+    ([(line, path, (label, ...))], True) of one with a labels column instead: multi-label, its labels split as
+    data/multilabel.py says, an empty cell meaning none."""
     reader = None
     try:
         with open(csv_file, newline="", encoding="utf-8-sig") as f:  # -sig: a spreadsheet's byte-order mark
             reader = csv.DictReader(f)
             header = reader.fieldnames or []
-            if not {"path", "label"} <= set(header):
-                raise DatasetError(f"{csv_file}, line 1: the header must name the columns path,label (path relative "
-                                   f"to the CSV's folder), got {','.join(header) or 'nothing'}")
-            rows = [(reader.line_num, row["path"], row["label"]) for row in reader]
+            if "path" not in header or ("label" in header) == ("labels" in header):
+                raise DatasetError(f"{csv_file}, line 1: the header must name the columns path,label (one label per "
+                                   f"image; path relative to the CSV's folder) or path,labels (several), got "
+                                   f"{','.join(header) or 'nothing'}")
+            column = "labels" if "labels" in header else "label"
+            rows = [(reader.line_num, row["path"], row[column]) for row in reader]
     except UnicodeDecodeError as e:
         raise DatasetError(f"{csv_file}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
     except csv.Error as e:
         raise DatasetError(f"{csv_file}, line {reader.line_num if reader else 1}: not CSV ({e})") from None
     except OSError as e:
         raise DatasetError(f"{csv_file}: cannot be read ({e.strerror or e})") from None
+    multilabel = column == "labels"
     for line, path, label in rows:
-        if not path or not label:  # empty, or missing from a short row (None)
-            raise DatasetError(f"{csv_file}, line {line}: no {'path' if not path else 'label'}; each row is path,label")
+        # empty, or missing from a short row (None); a multi-label image may have no labels, but not a short row
+        if not path or (not label if not multilabel else label is None):
+            raise DatasetError(f"{csv_file}, line {line}: no {'path' if not path else column}; each row is "
+                               f"path,{column}")
     if not rows:
-        raise DatasetError(f"{csv_file}: no rows under its header; list one image per line as path,label")
-    return rows
+        raise DatasetError(f"{csv_file}: no rows under its header; list one image per line as path,{column}")
+    if multilabel:
+        bar = any("|" in labels for _, _, labels in rows)
+        rows = [(line, path, tuple(sorted(split_labels(labels, bar)))) for line, path, labels in rows]
+    return rows, multilabel
 
 
 def split_files(folder, share, seed):

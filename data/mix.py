@@ -19,7 +19,8 @@ MIX_STREAM = 0x4D1C  # keeps the mixing draws apart from the sampler's, which ha
 
 def batch_mixer(cfg, num_classes, seed):
     """A function (images, targets, epoch, step) -> (mixed images, soft targets) for the recipe's data section,
-    or None when MixUp and CutMix are both off. Images are float (normalised) batches of one process's share."""
+    or None when MixUp and CutMix are both off. Images are float (normalised) batches of one process's share;
+    targets class indices, or multi-hot rows (multi-label)."""
     if not (cfg.mixup_alpha > 0 or cfg.cutmix_alpha > 0):
         return None
 
@@ -32,7 +33,8 @@ def batch_mixer(cfg, num_classes, seed):
             images, lam = cut_and_paste(images, partner, lam, rng)
         else:
             images = images.lerp(images[partner], 1 - lam)  # lam * image + (1 - lam) * partner
-        soft = F.one_hot(targets, num_classes).to(images.dtype)
+        # Multi-label targets are multi-hot already: mixed, a label's target is its share of the mixed pixels.
+        soft = (targets if targets.dim() == 2 else F.one_hot(targets, num_classes)).to(images.dtype)
         return images, soft.lerp(soft[partner], 1 - lam)
     return mix
 

@@ -78,6 +78,21 @@ def run_torchrun(*args, nproc=2, cwd=ROOT, timeout=600, launcher=("--standalone"
                       timeout=timeout)
 
 
+def launch_n_invariance(base, data, *options):
+    """tests/n_invariance.py on data at N=1 on two threads and on one, N=2 and N=3, each into a project under base;
+    returns {'1': project, '1, one thread': ..., '2': ..., '3': ...}."""
+    launches = {"1": lambda p: run_python("tests/n_invariance.py", p, data, *options),
+                "1, one thread": lambda p: run_python("tests/n_invariance.py", p, data, "one-core", *options),
+                "2": lambda p: run_torchrun("tests/n_invariance.py", p, data, *options, nproc=2),
+                "3": lambda p: run_torchrun("tests/n_invariance.py", p, data, *options, nproc=3)}
+    projects = {}
+    for name, launch in launches.items():
+        projects[name] = base / name.replace(", ", "-").replace(" ", "")
+        result = launch(projects[name])
+        assert result.returncode == 0, name + result.stdout[-2000:] + result.stderr[-3000:]
+    return projects
+
+
 def console_lines(output, start):
     """The lines of output that start with start: what the processes said, without torchrun's summary of a failure,
     which quotes each failed rank's last line again, indented."""

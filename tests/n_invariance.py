@@ -1,8 +1,9 @@
 """Run by test_n_invariance.py, as one process ('one-core': pinned to one core, so one compute thread) or under
 torchrun: train RECIPE for one epoch on each data path (the RAM cache, the JPEG cache, per image, and the same images
-as a shard set served over HTTP: 'shards=URL'), each into project/<path>.
+as a shard set served over HTTP: 'shards=URL'), each into project/<path>. 'multilabel': DATA is a multi-label CSV
+root, trained with MULTILABEL's options on the RAM cache and per image.
 
-    python tests/n_invariance.py PROJECT DATA [one-core] [shards=URL]
+    python tests/n_invariance.py PROJECT DATA [one-core] [shards=URL] [multilabel]
 """
 
 import os
@@ -23,14 +24,18 @@ from utils.torch_utils import select_device  # noqa: E402
 RECIPE = ["train.epochs=1", "train.batch_size=12", "model.width=4", "model.depth=2", "model.norm=group",
           "model.dropout=0", "data.img_size=8", "data.scale=[0.3,1.0]", "data.hflip=0.5", "data.workers=0",
           "train.log_every_steps=1"]
+# Multi-label: BCE with positive weights and smoothing, MixUp of label vectors (pairs on one process)
+MULTILABEL = ["data.multilabel=true", "train.class_weights=balanced", "train.label_smoothing=0.1",
+              "data.mixup_alpha=0.4"]
 
 
-def main(project, data, one_core=False, shards=None):
+def main(project, data, one_core=False, shards=None, multilabel=False):
     if one_core:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     setup_distributed()
     # Shards: windows of 2 of the set's shards, fetched into a cache of this launch's own.
-    paths = {cache: [f"data.name={data}", f"data.cache={cache}"] for cache in ("ram", "jpeg", "none")}
+    paths = {cache: [f"data.name={data}", f"data.cache={cache}", *(MULTILABEL if multilabel else [])]
+             for cache in (("ram", "none") if multilabel else ("ram", "jpeg", "none"))}
     if shards:
         paths["shards"] = [f"data.name={shards}", "data.cache=none", "data.shard_window=2",
                            f"data.cache_dir={project}/shard-cache"]
@@ -47,4 +52,4 @@ def main(project, data, one_core=False, shards=None):
 if __name__ == "__main__":
     options = sys.argv[3:]
     main(sys.argv[1], sys.argv[2], "one-core" in options,
-         next((o.removeprefix("shards=") for o in options if o.startswith("shards=")), None))
+         next((o.removeprefix("shards=") for o in options if o.startswith("shards=")), None), "multilabel" in options)

@@ -32,6 +32,7 @@ RUN = [
     "python train.py --resume",
     "python train.py --resume runs/train/exp train.epochs=30",
     "python train.py --recipe cls.yaml",
+    "torchrun --nproc_per_node=2 train.py --recipe multilabel.yaml",
     "python train.py --recipe cls.yaml optim.lr=0.05 train.epochs=3 data.scale=[0.5,1.0]",
     "torchrun --nproc_per_node=2 train.py --recipe cls.yaml",
     "torchrun --nproc_per_node=2 train.py --recipe cls.yaml data.name=/path/to/my_data model.name=resnet18 "
@@ -74,6 +75,7 @@ NOT_RUN = {
     "python benchmarks/scale.py": BENCHMARK,
     "python benchmarks/time_to_accuracy.py": BENCHMARK,
     "python benchmarks/digits_sweep.py": BENCHMARK,
+    "python benchmarks/multilabel_sweep.py": BENCHMARK,
     "python benchmarks/overhead.py": BENCHMARK,
     "python benchmarks/compute.py": BENCHMARK,
     "python benchmarks/data.py": BENCHMARK,
@@ -160,6 +162,8 @@ def shortened(command):
     recipe = re.search(r"--recipe (\S+)", command)
     if recipe:
         new_run = NEW_RUN.replace("data.name=my_data", "") if "data.name=my_shards" in command else NEW_RUN
+        if load_recipe(recipe[1]).data.multilabel:  # a CSV root with a labels column
+            new_run = new_run.replace("data.name=my_data", "data.name=my_labels")
         return " ".join(filter(None, [command, new_run, SMALLER_MODEL.get(recipe[1])]))
     return f"{command} {RESUMED}" if "train.py --resume" in command else command
 
@@ -188,6 +192,12 @@ def scratch(tmp_path_factory):
     make_image_folder(root / "my_data", {"train": {"cat": 4, "dog": 4}, "val": {"cat": 1, "dog": 1}}, size=20)
     make_image_folder(root, {"new_photos": {"": 3}}, size=20, seed=1)  # class "": images straight in new_photos/
     assert run_python("-m", "data.shards", "my_data", "my_shards", cwd=root).returncode == 0  # data.name=my_shards
+    for split, rows in (("train", ["cat/000.png,cat|dog", "cat/001.png,", "dog/000.png,dog", "dog/001.png,cat"]),
+                        ("val", ["cat/000.png,cat", "dog/000.png,dog|cat"])):  # data.name=my_labels: multi-label
+        (root / "my_labels").mkdir(exist_ok=True)
+        if not (root / "my_labels" / split).exists():
+            (root / "my_labels" / split).symlink_to(root / "my_data" / split)
+        (root / "my_labels" / f"{split}.csv").write_text("\n".join(["path,labels", *[f"{split}/{r}" for r in rows]]))
     env = {**clean_env(), "TORCH_HOME": str(root / "torch"),
            "PATH": f"{Path(sys.executable).parent}:{clean_env()['PATH']}"}
     with pytest.MonkeyPatch.context() as patch:
@@ -207,7 +217,7 @@ def project_copy(scratch_root, where):
     copies of what a run writes into (the data, for its caches) and of the stopped run as runs/."""
     where.mkdir()
     for entry in scratch_root.iterdir():
-        if entry.name in ("my_data", "runs_stopped"):
+        if entry.name in ("my_data", "my_labels", "runs_stopped"):
             shutil.copytree(entry, where / ("runs" if entry.name == "runs_stopped" else entry.name), symlinks=True)
         else:
             (where / entry.name).symlink_to(entry.resolve() if entry.is_symlink() else entry)

@@ -59,7 +59,7 @@ def test_val_class_unknown_to_train_is_an_error(image_folder):
 
 
 def test_missing_dataset_says_nothing_is_downloaded(tmp_path):
-    with pytest.raises(DatasetError, match=r"neither a dataset here \(digits, cifar10, cifar100\).*nothing is downloaded"):
+    with pytest.raises(DatasetError, match=r"neither a dataset here \(digits, multidigits, cifar10, cifar100\).*nothing is downloaded"):
         dataset_root(str(tmp_path / "imagenet"))
 
 

@@ -270,8 +270,8 @@ def test_csv_errors_name_the_file_and_the_line(tmp_path):
         return str(e.value)
 
     assert error(train_csv, rows, ("file", "class")) == (
-        f"{train_csv}, line 1: the header must name the columns path,label (path relative to the CSV's folder), got "
-        f"file,class")
+        f"{train_csv}, line 1: the header must name the columns path,label (one label per image; path relative to the "
+        f"CSV's folder) or path,labels (several), got file,class")
     assert error(train_csv, [*rows[:3], ("images/gone.png", "hot dog"), *rows[3:]]) == (
         f"{train_csv}, line 5: images/gone.png: no such file; paths are relative to the CSV's folder, {root}")
     assert error(train_csv, [*rows[:2], ("x.png", "hot dog"), ("y.png", "hot dog")]).startswith(

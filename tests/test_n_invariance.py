@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import http_server, run_python, run_torchrun
+from conftest import http_server, launch_n_invariance, run_python
 from utils.checkpoint import load_checkpoint
 
 # data.cache: crops per batch on the device (two caches), or per image as loaded; and the images as a shard set
@@ -44,17 +44,7 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("n")
     data = write_images(base / "data")
     with http_server(served_shards(base)) as (url, _):
-        shards = f"shards={url}/shards"
-        launches = {"1": lambda p: run_python("tests/n_invariance.py", p, data, shards),
-                    "1, one thread": lambda p: run_python("tests/n_invariance.py", p, data, "one-core", shards),
-                    "2": lambda p: run_torchrun("tests/n_invariance.py", p, data, shards, nproc=2),
-                    "3": lambda p: run_torchrun("tests/n_invariance.py", p, data, shards, nproc=3)}
-        projects = {}
-        for name, launch in launches.items():
-            projects[name] = base / name.replace(", ", "-").replace(" ", "")
-            result = launch(projects[name])
-            assert result.returncode == 0, name + result.stdout[-2000:] + result.stderr[-3000:]
-    return projects
+        return launch_n_invariance(base, data, f"shards={url}/shards")
 
 
 def weights(project, path):

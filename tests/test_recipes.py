@@ -26,6 +26,7 @@ from utils.config import RECIPES_DIR, load_recipe
 # two steps of the stand-in's training images; the image size shrinks the model's inputs, not its architecture.
 STAND_INS = {
     "cls.yaml": (None, ["train.batch_size=720"]),
+    "multilabel.yaml": (None, ["train.batch_size=1500"]),
     "cifar10-resnet18.yaml": ((4, 2), ["train.batch_size=20", "data.img_size=16"]),
     "cifar100-resnet18.yaml": ((1, 1), ["train.batch_size=50", "data.img_size=16"]),
     "folder.yaml": ((6, 2), ["train.batch_size=12", "data.img_size=32"]),
@@ -104,8 +105,12 @@ def test_recipe_trains_two_steps_and_validates_on_a_stand_in(name, tmp_path, mon
     if name.startswith("imagenet"):
         return  # val.py reading back hundreds of MB of weights would double these cases' time; the rest cover it
     # val.py, on the dataset the checkpoint names (CIFAR's test set found by name), measures what training did
-    metrics = val.main(["--weights", str(run / "weights" / "last.pt"), "--project", str(runs / "val")])
-    assert metrics["val/top1"] == pytest.approx(float(rows[0]["val/top1"]), abs=1e-6)
+    metrics = val.main(["--weights", str(run / "weights" / "last.pt"), "--project", str(runs / "val"),
+                        *(["--threshold", "0.5"] if checkpoint["recipe"]["data"]["multilabel"] else [])])
+    score = "val/map" if checkpoint["recipe"]["data"]["multilabel"] else "val/top1"  # threshold-free, or at 0.5
+    assert metrics[score] == pytest.approx(float(rows[0][score]), abs=1e-6)
+    if "val/f1" in rows[0]:  # at train.threshold, 0.5, as training counted
+        assert metrics["val/f1"] == pytest.approx(float(rows[0]["val/f1"]), rel=1e-5)
     assert metrics["val/loss"] == pytest.approx(float(rows[0]["val/loss"]), rel=1e-5)
     if checkpoint["recipe"]["data"]["name"].startswith("cifar"):
         assert metrics["val/samples"] == len(data.cifar.CIFAR[checkpoint["recipe"]["data"]["name"]]["classes"]) * \

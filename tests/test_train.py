@@ -213,7 +213,7 @@ def test_unknown_key_under_torchrun_fails_on_every_rank_and_says_it_once(tmp_pat
 
 def test_missing_dataset_exits_with_a_clear_error(tmp_path, capsys):
     error = fails(["--recipe", "cls.yaml", f"data.name={tmp_path / 'nope'}", f"project={tmp_path / 'runs'}"], capsys)
-    assert "is neither a dataset here (digits, cifar10, cifar100) nor a directory" in error
+    assert "is neither a dataset here (digits, multidigits, cifar10, cifar100) nor a directory" in error
 
 
 def test_model_that_cannot_take_the_image_size_fails_before_the_run_dir(tmp_path, capsys):

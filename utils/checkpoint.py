@@ -73,13 +73,14 @@ def load_training_checkpoint(path, device="cpu"):
 
 def load_model_checkpoint(path, device="cpu"):
     """What evaluating or exporting a checkpoint needs: its weights, class names and recipe, and where in the run
-    it was saved (epoch and step; None if unknown), else a clear error. The optimizer state is left out."""
+    it was saved (epoch and step; None if unknown) and a multi-label model's per-class thresholds (None for a
+    single-label one), else a clear error. The optimizer state is left out."""
     ckpt = load_checkpoint(path, device)
     missing = [k for k in ("model", "classes", "recipe") if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise UsageError(f"{path}: not a checkpoint of train.py (missing {', '.join(missing)}); use a run's "
                          f"weights/best.pt or weights/last.pt")
-    return {key: ckpt.get(key) for key in ("model", "classes", "recipe", "epoch", "step")}
+    return {key: ckpt.get(key) for key in ("model", "classes", "recipe", "epoch", "step", "thresholds")}
 
 
 def state_dict_mismatch(error):
@@ -141,7 +142,8 @@ def save_state(state, recipe, classes, train_images, paths, best_from_ema=False,
     """Save a checkpoint of the run where it is, with its recipe (a plain dict) and every rank's random state, to
     each of paths (all ranks call this together, rank 0 writes). With best_from_ema, best.pt's 'model' holds the
     EMA weights, which scored better ('model_source' says which). data_identity: a shard set's shards and their
-    SHA-256 (data/shard_sets.py), which a resumed run must find unchanged."""
+    SHA-256 (data/shard_sets.py), which a resumed run must find unchanged. Multi-label: 'thresholds' holds the
+    saved weights' per-class thresholds, chosen at the last validation."""
     rng = gather_object(rng_states())
 
     def write():
@@ -152,11 +154,11 @@ def save_state(state, recipe, classes, train_images, paths, best_from_ema=False,
             "logged_loss": list(state.logged_loss), "best_top1": state.best_top1,
             "best_epoch": state.best_epoch, "classes": list(classes), "recipe": recipe,
             "rng": rng, "train_images": train_images, "ema": None if state.ema is None else state.ema.state_dict(),
-            "model_source": "training", "data_identity": data_identity}
+            "model_source": "training", "data_identity": data_identity, "thresholds": state.thresholds}
         for path in paths:
             ema_best = best_from_ema and path.name == "best.pt"
-            save_checkpoint({**checkpoint, "model": state.ema.module.state_dict(), "model_source": "ema"}
-                            if ema_best else checkpoint, path)
+            save_checkpoint({**checkpoint, "model": state.ema.module.state_dict(), "model_source": "ema",
+                             "thresholds": state.ema_thresholds} if ema_best else checkpoint, path)
     on_rank0(write)
 
 
@@ -184,6 +186,7 @@ def restore(state, path, ckpt, classes, epochs, train_images=None):
     state.epoch, state.step, state.epoch_loss = ckpt["epoch"], ckpt["step"], tuple(ckpt["epoch_loss"])
     state.logged_loss = tuple(ckpt.get("logged_loss", state.epoch_loss))
     state.best_top1, state.best_epoch = ckpt["best_top1"], ckpt["best_epoch"]
+    state.thresholds = ckpt.get("thresholds")
     if RANK < len(ckpt["rng"]):
         set_rng_states(ckpt["rng"][RANK])
     if train_images is not None and ckpt.get("train_images", train_images) != train_images:

@@ -65,6 +65,7 @@ class DataConfig:
     val_split: float = 0.0  # a root of class folders with no split: the share held out for val (stratified, seeded, saved with the run)
     csv_allow_outside: bool = False  # train.csv and val.csv: also read paths that leave the CSV's folder ('..', absolute paths)
     sampler: str = "shuffle"  # train order: shuffle (every image once an epoch) or balanced (each class equally often)
+    multilabel: bool = False  # each image has any number of the classes (a CSV with a labels column, or multidigits): sigmoid outputs, BCE loss, mAP
 
 
 @dataclass
@@ -74,7 +75,7 @@ class TrainConfig:
     accumulate: int = 1  # split each process's batch into this many micro-batches, one optimizer step and all-reduce
     channels_last: bool = False  # NHWC memory format for the model and training batches (faster convs on GPUs, CPUs)
     compile: bool = False  # torch.compile the training model (pays off on long runs; the first steps compile)
-    label_smoothing: float = 0.0  # cross-entropy label smoothing
+    label_smoothing: float = 0.0  # cross-entropy label smoothing; multi-label: targets 1 - s + s/classes and s/classes, as timm's
     precision: str = "fp32"  # fp32, bf16 (autocast), fp16 (+ GradScaler; CUDA), auto: bf16 where native, else fp32
     deterministic: bool = True  # ask torch for deterministic kernels (reproducible runs; may be slower on GPU)
     save_every_steps: int = 0  # also save weights/last.pt every this many steps within an epoch; 0: at epoch ends only
@@ -83,7 +84,8 @@ class TrainConfig:
     patience: int = 0  # early stopping: stop after this many epochs without a better val top-1; 0: off
     log_every_steps: int = 10  # TensorBoard train/loss_step: the mean loss of every this many steps, over all ranks; 0: off
     class_weights: str = ""  # '' or balanced: weight the loss of each class inversely to its number of training images
-    best_metric: str = "top1"  # what best.pt and train.patience follow: top1 or balanced_top1 (mean per-class recall)
+    best_metric: str = "auto"  # what best.pt and train.patience follow: top1, balanced_top1 (mean per-class recall) or map (multi-label); auto: top1, or map for multi-label
+    threshold: float = 0.5  # multi-label: val F1, precision, recall and exact match count a label from this probability (per-class thresholds, chosen on val, are saved too)
     tta: bool = False  # validate with test-time augmentation: the mean softmax of each image and its horizontal flip
 
 
@@ -175,6 +177,7 @@ CHANGES_RESULTS_WHEN = {
     "data.jpeg_decode": lambda cfg: cfg.data.cache == "jpeg" or names_shards(cfg.data.name),  # a GPU decoder rounds
     "data.shard_window": lambda cfg: names_shards(cfg.data.name),
     "train.ema_steps": lambda cfg: cfg.train.ema_decay > 0,
+    "train.threshold": never,  # what val's F1 counts, not what the model learns
     "optim.nesterov": lambda cfg: cfg.optim.name == "sgd" and cfg.optim.momentum > 0,
     "sched.warmup_factor": lambda cfg: cfg.sched.warmup_epochs > 0,
     "sched.min_lr_factor": lambda cfg: cfg.sched.name == "cosine",
@@ -429,6 +432,13 @@ def check_data_values(cfg, require):
                 f"off with data.cache={cfg.data.cache}, which crops and flips whole batches (it runs per image: set "
                 f"data.cache=none)")
     require(cfg.data.workers == "auto" or cfg.data.workers.isdigit(), "data.workers", "auto or a number >= 0")
+    if cfg.data.multilabel:
+        require(cfg.data.cache != "jpeg", "data.cache", "none or ram with data.multilabel=true (the JPEG cache holds "
+                                                         "one label per image)")
+        require(not names_shards(cfg.data.name), "data.name", "a CSV root or multidigits with data.multilabel=true "
+                                                              "(shard sets hold one label per image)")
+        require(cfg.data.sampler == "shuffle", "data.sampler", "shuffle with data.multilabel=true (balanced draws a "
+                                                               "class, then one of its images: one class per image)")
 
 
 def check_train_values(cfg, require):
@@ -449,7 +459,10 @@ def check_train_values(cfg, require):
     require(cfg.train.log_every_steps >= 0, "train.log_every_steps", ">= 0 (0 logs the loss per epoch only)")
     require(cfg.train.precision in ("fp32", "bf16", "fp16", "auto"), "train.precision", "one of fp32, bf16, fp16, auto")
     require(cfg.train.class_weights in ("", "balanced"), "train.class_weights", "'' (off) or balanced")
-    require(cfg.train.best_metric in ("top1", "balanced_top1"), "train.best_metric", "top1 or balanced_top1")
+    require(cfg.train.best_metric in (("auto", "map") if cfg.data.multilabel else ("auto", "top1", "balanced_top1")),
+            "train.best_metric", "auto or map with data.multilabel=true" if cfg.data.multilabel else
+            "auto, top1 or balanced_top1 (map is for data.multilabel=true)")
+    require(0 < cfg.train.threshold < 1, "train.threshold", "a probability in (0, 1)")
 
 
 def check_other_values(cfg, require):
@@ -471,6 +484,13 @@ def check_other_values(cfg, require):
     require(parse_device(cfg.device) is not None, "device", DEVICES)
     require(0 <= cfg.seed < 2**31, "seed", "in [0, 2**31)")
     require(bool(cfg.name.strip()), "name", "a non-empty run name")
+
+
+def best_metric(cfg):
+    """train.best_metric as it applies: auto is top1, or map for multi-label data."""
+    if cfg.train.best_metric == "auto":
+        return "map" if cfg.data.multilabel else "top1"
+    return cfg.train.best_metric
 
 
 def recipe_to_yaml(cfg):

@@ -245,6 +245,29 @@ def gather_object(obj):
     return objects
 
 
+def all_gather_rows(tensor):
+    """Every rank's rows of tensor (ranks may hold different numbers, none too), concatenated in rank order, on every
+    rank; the tensor itself for one process."""
+    if not dist.is_initialized():
+        return tensor
+    counts = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=tensor.device)
+    counts[dist.get_rank()] = len(tensor)
+    counts = all_reduce_sum(counts).tolist()
+    padded = tensor.new_zeros((max(counts), *tensor.shape[1:]))  # all_gather takes tensors of one shape
+    padded[: len(tensor)] = tensor
+    parts = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(parts, padded)
+    return torch.cat([part[:n] for part, n in zip(parts, counts)])
+
+
+def shared_work(fn, count):
+    """[fn(0), ..., fn(count - 1)] on every rank, each rank computing every WORLD_SIZE-th (rank r: r, r + W, ...)
+    and gathering the others' (fn's results are pickled)."""
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    parts = gather_object([fn(i) for i in range(rank, count, world)])
+    return [parts[i % world][i // world] for i in range(count)]
+
+
 def all_reduce_sum(tensor):
     """Sum a tensor over all ranks in place and return it (a no-op for one process)."""
     if dist.is_initialized():

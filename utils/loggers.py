@@ -17,11 +17,17 @@ from utils.plots import confusion_figure, figure_array, labelled_grid, results_f
 COLUMNS = ["epoch", "train/loss", "val/loss", "val/top1", "val/balanced_top1", "val/top5", "val/ema_loss",
            "val/ema_top1", "val/ema_balanced_top1", "val/ema_top5", "lr/pg0", "time/epoch",
            "time/img_s"]  # val/ema_*: blank without EMA; balanced_top1: the mean recall of the classes in val
+# Multi-label runs' columns: mAP, and F1, precision, recall (macro) and exact match at train.threshold.
+MULTILABEL_COLUMNS = ["epoch", "train/loss", "val/loss", "val/map", "val/f1", "val/precision", "val/recall",
+                      "val/exact_match", "val/ema_loss", "val/ema_map", "val/ema_f1", "lr/pg0", "time/epoch",
+                      "time/img_s"]
+PR_CURVES = 20  # multi-label: TensorBoard PR curves of the first this many classes (each holds every val score)
 # TensorBoard lists tag groups (the part before '/') alphabetically and opens the first two; its HParams tab takes
 # its metrics from the scalar tags, sorted, and shows the first five. So lr/ and time/ go under x/, which sorts last
 # (yolov5's name for it), and the EMA's metrics under val_ema/, after val/: the scalars open on train/ and val/, and
 # HParams on train/loss, train/loss_step, val/balanced_top1, val/loss and val/top1, with or without EMA.
-TENSORBOARD_TAGS = {"val/ema_loss": "val_ema/loss", "val/ema_top1": "val_ema/top1",
+TENSORBOARD_TAGS = {"val/ema_loss": "val_ema/loss", "val/ema_top1": "val_ema/top1", "val/ema_map": "val_ema/map",
+                    "val/ema_f1": "val_ema/f1",
                     "val/ema_balanced_top1": "val_ema/balanced_top1", "val/ema_top5": "val_ema/top5",
                     "lr/pg0": "x/lr", "time/epoch": "x/epoch_time", "time/img_s": "x/img_s"}
 PLOT_SHARE = 0.02  # matplotlib plots may take this share of the run's time (each costs about 0.3-1 s on a CPU)
@@ -41,6 +47,7 @@ class RunLogger:
         from torch.utils.tensorboard import SummaryWriter  # here: only rank 0 pays for importing TensorBoard
 
         self.run_dir, self.classes, self.csv_path = run_dir, list(classes), run_dir / "results.csv"
+        self.columns = MULTILABEL_COLUMNS if cfg.data.multilabel else COLUMNS
         self.plots = PlotBudget(PLOT_SHARE)
         self.unplotted = None  # (global step, confusion matrix) of the last epoch logged, until plotted
         if done is None:
@@ -48,7 +55,7 @@ class RunLogger:
             self.tb.add_text("recipe", textwrap.indent(OmegaConf.to_yaml(cfg), "    "))  # indented: shown as code
             self.write_hparams(cfg)
         else:
-            keep_rows(self.csv_path, done[0])
+            keep_rows(self.csv_path, done[0], self.columns)
             self.tb = SummaryWriter(str(run_dir), purge_step=done[1] + 1)
 
     def write_hparams(self, cfg):
@@ -68,8 +75,10 @@ class RunLogger:
         self.tb.file_writer.add_summary(session_start)
 
     def log_batch(self, images, targets):
-        """A grid of (augmented uint8) training images captioned with their class names."""
-        labels = [self.classes[t] for t in targets.tolist()]
+        """A grid of (augmented uint8) training images captioned with their class names (multi-label: all of them,
+        comma-separated)."""
+        labels = [",".join(self.classes[c] for c in t.nonzero().flatten().tolist()) if t.dim() else self.classes[int(t)]
+                  for t in targets.cpu()]
         self.tb.add_image("train/batch", labelled_grid(images.cpu(), labels), 0)
 
     def log_step(self, global_step, loss):
@@ -77,26 +86,40 @@ class RunLogger:
         self.tb.add_scalar("train/loss_step", loss, global_step)
 
     def log_epoch(self, metrics, global_step):
-        """Record an epoch that ended at global_step: metrics has every name in COLUMNS (None for a metric not
-        computed) and evaluate()'s 'confusion' and 'wrong'. The matplotlib plots are drawn only within PLOT_SHARE of
-        the run's time."""
+        """Record an epoch that ended at global_step: metrics has every name in its columns (None for a metric not
+        computed) and evaluate()'s 'confusion' and 'wrong', or evaluate_multilabel()'s 'per_class', 'probs' and
+        'targets'. The matplotlib plots are drawn only within PLOT_SHARE of the run's time."""
         new = not self.csv_path.exists()
         with open(self.csv_path, "a", newline="") as f:
             writer = csv.writer(f)
             if new:
-                writer.writerow(COLUMNS)
-            writer.writerow([format_value(metrics[c]) for c in COLUMNS])
-        for name in COLUMNS[1:]:
+                writer.writerow(self.columns)
+            writer.writerow([format_value(metrics[c]) for c in self.columns])
+        for name in self.columns[1:]:
             if metrics[name] is not None:
                 self.tb.add_scalar(TENSORBOARD_TAGS.get(name, name), metrics[name], global_step)
-        if metrics["wrong"]:
+        if "per_class" in metrics:
+            self.log_multilabel(metrics, global_step)
+        if metrics.get("wrong"):
             images, true, predicted = zip(*metrics["wrong"][:WRONG_SHOWN])
             labels = [f"{self.classes[t]} as {self.classes[p]}" for t, p in zip(true, predicted)]
             self.tb.add_image("val/misclassified", labelled_grid(torch.stack(images), labels), global_step)
-        self.unplotted = (global_step, metrics["confusion"])  # confusion: None with very many classes
+        self.unplotted = (global_step, metrics.get("confusion"))  # None with very many classes, or multi-label
         if self.plots.due():
             self.draw_plots()
         self.tb.flush()
+
+    def log_multilabel(self, metrics, global_step):
+        """Multi-label: each class's AP as a scalar and in a table (with its F1 and its threshold maximising F1),
+        and the PR curves of the first PR_CURVES classes."""
+        rows = ["| class | AP | F1 | positives | best threshold |", "| --- | --- | --- | --- | --- |"]
+        for name, (n, ap, _, _, f1, best) in zip(self.classes, metrics["per_class"]):
+            if ap is not None:
+                self.tb.add_scalar(f"val_ap/{name}", ap, global_step)
+            rows.append(f"| {name} | {format_share(ap)} | {format_share(f1)} | {n} | {best:.3f} |")
+        self.tb.add_text("val/per_class", "\n".join(rows), global_step)
+        for c, name in enumerate(self.classes[:PR_CURVES]):
+            self.tb.add_pr_curve(f"val_pr/{name}", metrics["targets"][:, c], metrics["probs"][:, c], global_step)
 
     def draw_plots(self):
         """results.png and the confusion matrix of the last epoch logged in TensorBoard."""
@@ -139,15 +162,15 @@ class PlotBudget:
         self.cost = self.last - start
 
 
-def keep_rows(csv_path, epochs):
-    """Rewrite results.csv (atomically) with only the rows of epochs 1..epochs."""
+def keep_rows(csv_path, epochs, columns=COLUMNS):
+    """Rewrite results.csv (atomically, with these columns) with only the rows of epochs 1..epochs."""
     if not csv_path.exists():
         return
     with open(csv_path, newline="") as f:
         rows = [row for row in csv.reader(f) if row]
     tmp = csv_path.with_name(f"{csv_path.name}.tmp")
     with open(tmp, "w", newline="") as f:  # a row cut short by a kill mid-write is dropped too
-        csv.writer(f).writerows([COLUMNS, *(row for row in rows[1:] if len(row) == len(COLUMNS)
+        csv.writer(f).writerows([columns, *(row for row in rows[1:] if len(row) == len(columns)
                                             and row[0].isdigit() and int(row[0]) <= epochs)])
     os.replace(tmp, csv_path)
 
@@ -159,8 +182,19 @@ def format_value(value):
     return str(value) if isinstance(value, int) else f"{value:.6g}"
 
 
+def format_share(value):
+    """A share to three decimals, '-' for None."""
+    return "-" if value is None else f"{value:.3f}"
+
+
 def epoch_summary(metrics, epochs):
     """One console line per epoch."""
+    if "val/map" in metrics:
+        ema = "" if metrics["val/ema_map"] is None else f"  ema mAP {metrics['val/ema_map']:.2%}"
+        return (f"epoch {metrics['epoch']}/{epochs}  train/loss {metrics['train/loss']:.4f}  "
+                f"val/loss {metrics['val/loss']:.4f}  mAP {metrics['val/map']:.2%}  F1 {metrics['val/f1']:.2%}  "
+                f"exact {metrics['val/exact_match']:.2%}{ema}  lr {metrics['lr/pg0']:.3g}  "
+                f"{metrics['time/epoch']:.1f}s  {metrics['time/img_s']:.0f} img/s")
     top5 = "" if metrics["val/top5"] is None else f" top5 {metrics['val/top5']:.2%}"
     if metrics["val/ema_top1"] is not None:
         top5 += f"  ema top1 {metrics['val/ema_top1']:.2%}"

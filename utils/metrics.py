@@ -13,7 +13,8 @@ from utils.tta import tta_logits
 # Above this many classes the C x C confusion matrix is not kept (at 20k classes it would take gigabytes on the
 # device); the per-class counts, which give precision, recall and top-5 per class, always are.
 MAX_CONFUSION_CLASSES = 2048
-BEST_METRIC_NAMES = {"top1": "val top-1", "balanced_top1": "val balanced top-1"}  # train.best_metric, in messages
+BEST_METRIC_NAMES = {"top1": "val top-1", "balanced_top1": "val balanced top-1",
+                     "map": "val mAP"}  # train.best_metric, in messages
 
 
 @torch.no_grad()

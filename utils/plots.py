@@ -123,17 +123,18 @@ def save_figure(fig, path):
 
 
 def results_figure(csv_path):
-    """results.png's Figure: losses, val top-1/balanced top-1/top-5 and learning rate against epochs, from
-    results.csv."""
+    """results.png's Figure: losses, val top-1/balanced top-1/top-5 (multi-label: mAP, F1, precision, recall and
+    exact match) and learning rate against epochs, from results.csv."""
     from matplotlib.figure import Figure
 
     with open(csv_path, newline="") as f:
         rows = [row for row in csv.DictReader(f)]
     epochs = [int(r["epoch"]) for r in rows]
     fig = Figure(figsize=(13, 3.6), dpi=100)
-    panels = (("loss", ["train/loss", "val/loss", "val/ema_loss"]),
-              ("val accuracy", ["val/top1", "val/balanced_top1", "val/top5", "val/ema_top1", "val/ema_top5"]),
-              ("learning rate", ["lr/pg0"]))
+    scores = (("val mAP and F1", ["val/map", "val/f1", "val/precision", "val/recall", "val/exact_match",
+                                  "val/ema_map"]) if rows and "val/map" in rows[0] else
+              ("val accuracy", ["val/top1", "val/balanced_top1", "val/top5", "val/ema_top1", "val/ema_top5"]))
+    panels = (("loss", ["train/loss", "val/loss", "val/ema_loss"]), scores, ("learning rate", ["lr/pg0"]))
     for ax, (title, columns) in zip(fig.subplots(1, 3), panels):
         for column in columns:
             values = [float(r[column]) if r.get(column) else np.nan for r in rows]

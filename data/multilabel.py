@@ -1,0 +1,104 @@
+"""Multi-label data: an image carries any number of the classes (none included), listed in a CSV's labels column, and
+the embedded multidigits set; targets are multi-hot uint8 vectors, one byte per class.
+
+A CSV row's labels are separated by '|' when the file uses '|' anywhere (class names may then hold spaces: 'golden
+retriever|ball'), else by spaces ('3 7'); an empty cell is an image with none of the classes."""
+
+import csv
+import os
+import shutil
+import socket
+
+import numpy as np
+import torch
+from PIL import Image
+
+from utils.general import DatasetError
+
+SIDE = 8  # pixels of a scikit-learn digit; multidigits' images are GRID x GRID of them
+GRID = 2
+DIGITS_PER_IMAGE = (2, 3)  # each multidigits image holds this many different digits, in distinct cells
+IMAGES = {"train": 3000, "val": 1000}
+
+
+def split_labels(cell, bar):
+    """A labels cell's class names, each once, in the order given: split on '|' (bar) or on spaces; names keep
+    their inner spaces when split on '|'."""
+    names = [name.strip() for name in cell.split("|")] if bar else cell.split()
+    return tuple(dict.fromkeys(name for name in names if name))
+
+
+def multi_hot(targets, num_classes):
+    """(N, num_classes) uint8 of N samples' class-index tuples: 1 where a sample has the class."""
+    hot = np.zeros((len(targets), num_classes), np.uint8)
+    rows = np.repeat(np.arange(len(targets)), [len(t) for t in targets])
+    hot[rows, np.fromiter((c for t in targets for c in t), np.int64, len(rows))] = 1
+    return torch.from_numpy(hot)
+
+
+def target_bytes(targets):
+    """Bytes that say which targets a dataset holds, in order (class indices, or class-index tuples), for comparing
+    what ranks list."""
+    if targets and isinstance(targets[0], tuple):
+        lengths = np.asarray([len(t) for t in targets], np.int64)
+        return lengths.tobytes() + np.asarray([c for t in targets for c in t], np.int64).tobytes()
+    return np.asarray(targets, dtype=np.int64).tobytes()
+
+
+def positive_weights(dataset):
+    """train.class_weights=balanced for multi-label data: each class's BCE positive weight, its negatives over its
+    positives in the training set (as torch's BCEWithLogitsLoss documents pos_weight); 1 for a class without
+    positives or without negatives."""
+    hot = multi_hot(dataset.targets, len(dataset.classes)).double()
+    positives = hot.sum(0)
+    negatives = len(dataset) - positives
+    return torch.where((positives > 0) & (negatives > 0), negatives / positives.clamp(min=1), 1.0).float()
+
+
+def check_task(train_set, multilabel, name):
+    """Refuse data whose kind (one label per image, or several) is not the recipe's data.multilabel."""
+    is_multilabel = getattr(train_set, "multilabel", False)
+    if multilabel and not is_multilabel:
+        raise DatasetError(f"data.multilabel=true, but data.name={name} has one label per image; multi-label data is "
+                           f"a CSV list with a labels column (path,labels: the labels separated by spaces, or by | "
+                           f"when class names hold spaces), such as the embedded data.name=multidigits")
+    if is_multilabel and not multilabel:
+        raise DatasetError(f"data.name={name} lists several labels per image (a labels column), but "
+                           f"data.multilabel=false: set data.multilabel=true (recipes/multilabel.yaml), or list one "
+                           f"label per image in a label column")
+
+
+def write_multidigits(root):
+    """Write the embedded multi-label set: 16x16 images of a 2x2 grid of scikit-learn's 8x8 digits, 2 or 3 different
+    digits in distinct cells (the rest black), labelled with the digits present; train.csv and val.csv (path,labels,
+    space-separated) over images/. Train images are made from the digits of the single-label set's train split,
+    val images from its val split (the same fixed, stratified 80/20 split), so no digit image is in both."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    pixels = np.round(digits.images * (255 / 16)).astype(np.uint8)
+    pools = dict(zip(("train", "val"), train_test_split(np.arange(len(pixels)), test_size=0.2,
+                                                        stratify=digits.target, random_state=0)))
+    rng = np.random.default_rng(0)
+    tmp = root.with_name(f".{root.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    for split, pool in pools.items():
+        by_digit = [pool[digits.target[pool] == d] for d in range(10)]
+        (tmp / "images" / split).mkdir(parents=True)
+        with open(tmp / f"{split}.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["path", "labels"])
+            for i in range(IMAGES[split]):
+                chosen = rng.choice(10, size=rng.choice(DIGITS_PER_IMAGE), replace=False)
+                cells = rng.choice(GRID * GRID, size=len(chosen), replace=False)
+                image = np.zeros((GRID * SIDE, GRID * SIDE), np.uint8)
+                for digit, cell in zip(chosen, cells):
+                    y, x = divmod(int(cell), GRID)
+                    image[y * SIDE : (y + 1) * SIDE, x * SIDE : (x + 1) * SIDE] = pixels[rng.choice(by_digit[digit])]
+                name = f"images/{split}/{i:05d}.png"
+                Image.fromarray(image).save(tmp / name)
+                writer.writerow([name, " ".join(str(d) for d in sorted(chosen))])
+    try:
+        os.replace(tmp, root)
+    except OSError:  # another process (e.g. another node on a shared disk) finished first
+        shutil.rmtree(tmp, ignore_errors=True)

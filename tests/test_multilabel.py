@@ -1,0 +1,426 @@
+"""Multi-label classification: labels read from CSVs, BCE with positive weights and smoothing, mixed label vectors,
+mAP and F1 against hand-checked values, the same run at N=1, 2 and 3, exact resume, single- against multi-label
+mismatches, and val.py, predict.py and export.py on a multi-label checkpoint."""
+
+import csv
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import export
+import predict
+import train
+import val
+from conftest import launch_n_invariance, make_image_folder, read_results, run_python, run_torchrun
+from data.layouts import csv_dataset
+from data.mix import batch_mixer
+from data.multilabel import positive_weights
+from data.transforms import normalizer, val_transforms
+from data.verify import decode
+from models import model_from_checkpoint
+from utils.checkpoint import load_checkpoint
+from utils.config import RecipeError, checkpoint_recipe, load_recipe
+from utils.general import DatasetError
+from utils.multilabel import MultiLabelLoss, class_curve, multilabel_metrics
+
+CLASSES = ["blue", "green", "red sky"]  # a name with a space: the CSVs separate labels with '|'
+# 37 training images in batches of 12 (the last step of one image), 9 val images: uneven shares at N=2 and 3.
+TINY = ["train.batch_size=12", "model.width=4", "model.depth=2", "model.norm=group", "model.dropout=0",
+        "data.img_size=8", "data.scale=[0.3,1.0]", "data.hflip=0.5", "data.workers=0", "train.log_every_steps=1"]
+
+
+def write_multilabel(root, n_train=37, n_val=9, seed=0):
+    """A multi-label CSV root: each image's labels are the colour channels it lights (none for some images), on a
+    smooth pattern (so crops and flips change it), in two sizes; train.csv and val.csv list them with '|'."""
+    rng = np.random.default_rng(seed)
+    channel = {"red sky": 0, "green": 1, "blue": 2}
+    for split, n in (("train", n_train), ("val", n_val)):
+        (root / split).mkdir(parents=True)
+        with open(root / f"{split}.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["path", "labels"])
+            for i in range(n):
+                labels = [name for name in CLASSES if rng.random() < 0.5]
+                h, w = (12, 12) if i % 3 else (10, 15)
+                y, x = np.mgrid[:h, :w]
+                pixels = np.stack([40 + 30 * np.sin(x / 2 + y + c) for c in range(3)], -1)
+                for name in labels:
+                    pixels[..., channel[name]] += 150
+                Image.fromarray(pixels.astype(np.uint8)).save(root / split / f"{i:02d}.png")
+                writer.writerow([f"{split}/{i:02d}.png", "|".join(labels)])
+    return root
+
+
+def fails(argv, capsys, script=train):
+    """The script's one-line error for argv, after checking it exits with code 2 and no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(argv)
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in error
+    return error
+
+
+# --- data ---------------------------------------------------------------------------------------------------------
+
+def write_csv(path, rows, header="path,labels"):
+    path.write_text("\n".join([header, *rows]) + "\n")
+    return path
+
+
+def test_csv_labels_split_on_bar_or_spaces_and_load_as_multi_hot(tmp_path):
+    for i in range(4):
+        Image.new("RGB", (4, 4)).save(tmp_path / f"{i}.png")
+    barred = csv_dataset(write_csv(tmp_path / "a.csv", ["0.png,red sky|green", "1.png,", "2.png,green| green |blue",
+                                                        "3.png,blue"]), None, decode)
+    assert barred.multilabel and barred.classes == ["blue", "green", "red sky"]
+    assert barred.targets == [(1, 2), (), (0, 1), (0,)]  # an empty cell: none; a label twice counts once
+    assert [barred[i][1].tolist() for i in range(4)] == [[0, 1, 1], [0, 0, 0], [1, 1, 0], [1, 0, 0]]
+    assert barred[0][1].dtype == torch.uint8
+    spaced = csv_dataset(write_csv(tmp_path / "b.csv", ["0.png,3 7", "1.png,7"]), None, decode)
+    assert spaced.classes == ["3", "7"] and spaced.targets == [(0, 1), (1,)]
+    single = csv_dataset(write_csv(tmp_path / "c.csv", ["0.png,red sky"], "path,label"), None, decode)
+    assert not single.multilabel and single.classes == ["red sky"] and single[0][1] == 0
+
+
+def test_csv_mistakes_are_named_with_the_file_and_line(tmp_path):
+    Image.new("RGB", (4, 4)).save(tmp_path / "0.png")
+    with pytest.raises(DatasetError, match=r"b.csv, line 1: the header must name the columns path,label .* or "
+                                           r"path,labels \(several\), got path,label,labels"):
+        csv_dataset(write_csv(tmp_path / "b.csv", ["0.png,a,a"], "path,label,labels"), None, decode)
+    with pytest.raises(DatasetError, match=r"c.csv, line 2: label 'dog' is not ours"):
+        csv_dataset(write_csv(tmp_path / "c.csv", ["0.png,cat|dog"]), None, decode, ["cat"], "is not ours")
+    with pytest.raises(DatasetError, match=r"d.csv: line 2 labels 0.png \('a',\) and line 3 labels 0.png \('b',\)"):
+        csv_dataset(write_csv(tmp_path / "d.csv", ["0.png,a", "0.png,b"]), None, decode)
+    root = write_multilabel(tmp_path / "data", 4, 2)
+    (root / "val.csv").write_text("path,label\nval/00.png,blue\n")
+    from data.layouts import csv_datasets
+    with pytest.raises(DatasetError, match=r"val.csv: has a label column \(one label per image\), train.csv has a "
+                                           r"labels column \(several labels per image\); give both the same columns"):
+        csv_datasets(root, None, None, decode)
+
+
+def test_the_ram_cache_holds_the_same_labels_and_positive_weights(tmp_path):
+    from data.cache import RamImages
+    from data.layouts import csv_datasets
+
+    train_set, _ = csv_datasets(write_multilabel(tmp_path / "data"), None, None, decode)
+    cached = RamImages(train_set, budget=None)
+    assert torch.equal(cached.__getitems__(range(37))[1], torch.stack([train_set[i][1] for i in range(37)]))
+    assert torch.equal(positive_weights(cached), positive_weights(train_set))
+    assert positive_weights(train_set).tolist() != [1.0] * 3
+
+
+def test_positive_weights_are_negatives_over_positives():
+    class Listed:
+        classes, targets = ["a", "b", "c"], [(0,), (0, 1), (0,), ()]
+
+        def __len__(self):
+            return 4
+    # a: 3 positives, 1 negative; b: 1 and 3; c: no positives, weight 1
+    assert positive_weights(Listed()).tolist() == pytest.approx([1 / 3, 3.0, 1.0])
+
+
+# --- loss, mixing, metrics ----------------------------------------------------------------------------------------
+
+def test_loss_is_bce_averaged_over_classes_with_smoothing_and_positive_weights():
+    logits, targets = torch.randn(6, 4), torch.randint(0, 2, (6, 4), dtype=torch.uint8)
+    plain = MultiLabelLoss(4)(logits, targets) / 6  # train_step divides the sum by the step's samples
+    assert plain.item() == pytest.approx(F.binary_cross_entropy_with_logits(logits, targets.float()).item(), rel=1e-6)
+    smoothed = MultiLabelLoss(4, smoothing=0.2)(logits, targets) / 6
+    soft = targets.float() * 0.8 + 0.05  # 1 -> 0.85, 0 -> 0.05 (timm's: 1 - s + s/C and s/C)
+    assert smoothed.item() == pytest.approx(F.binary_cross_entropy_with_logits(logits, soft).item(), rel=1e-6)
+    weight = torch.tensor([1.0, 2.0, 0.5, 3.0])
+    weighted = MultiLabelLoss(4, weight)(logits, targets) / 6
+    expected = F.binary_cross_entropy_with_logits(logits, targets.float(), pos_weight=weight)
+    assert weighted.item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_mixup_and_cutmix_mix_label_vectors_in_the_share_of_each_image():
+    targets = torch.tensor([[1, 0, 1], [0, 1, 0], [1, 1, 0], [0, 0, 0]], dtype=torch.uint8)
+    images = torch.rand(4, 3, 8, 8)
+    for alphas in ({"mixup_alpha": 0.5, "cutmix_alpha": 0.0}, {"mixup_alpha": 0.0, "cutmix_alpha": 1.0}):
+        cfg = OmegaConf.create({**alphas, "mix_switch_prob": 0.5})
+        mixed, soft = batch_mixer(cfg, 3, seed=0)(images, targets, 0, 1)
+        # Each image's share of its own pixels, and its label vector mixed in that share: MixUp's lambda in every
+        # pixel, CutMix's share of the pixels left outside the pasted box.
+        for a, b in ((0, 1), (2, 3)):
+            if alphas["mixup_alpha"]:
+                share = ((mixed[a] - images[b]) / (images[a] - images[b])).mean().item()
+            else:
+                share = (mixed[a] == images[a]).all(0).double().mean().item()
+            assert soft[a].tolist() == pytest.approx((share * targets[a] + (1 - share) * targets[b]).tolist(),
+                                                     abs=1e-5)
+            assert soft[b].tolist() == pytest.approx(((1 - share) * targets[a] + share * targets[b]).tolist(),
+                                                     abs=1e-5)
+        assert 0 < share < 1
+
+
+def test_tta_averages_each_classs_sigmoid_over_the_image_and_its_flip():
+    from utils.tta import tta_logits
+
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 4 * 4, 5))
+    images = torch.randn(6, 3, 4, 4) * 20  # large logits: probabilities near 0 and 1, where a naive logit overflows
+    with torch.no_grad():
+        mean = (model(images).sigmoid().double() + model(images.flip(3)).sigmoid().double()) / 2
+        logits = tta_logits(model, images, multilabel=True)
+    assert logits.isfinite().all() and torch.allclose(logits.sigmoid().double(), mean, atol=1e-6)
+
+
+def test_ap_is_scikit_learns_average_precision_score_with_ties_and_rare_classes():
+    from sklearn.metrics import average_precision_score
+    rng = np.random.default_rng(0)
+    for positives in (0.5, 0.05, 0.002):
+        labels = rng.random(3000) < positives
+        probs = np.round(np.clip(labels * 0.3 + rng.random(3000) * 0.7, 0, 1), 2).astype(np.float32)  # many ties
+        assert class_curve(labels, probs)[0] == pytest.approx(average_precision_score(labels, probs), abs=1e-12)
+
+
+def test_map_f1_exact_match_and_thresholds_match_a_hand_checked_case():
+    probs = np.array([[0.9, 0.2, 0.1], [0.8, 0.6, 0.1], [0.7, 0.4, 0.6], [0.1, 0.9, 0.1]], np.float32)
+    targets = np.array([[1, 0, 0], [0, 1, 0], [1, 0, 0], [0, 0, 0]])
+    m = multilabel_metrics(probs, targets, 0.5)
+    # Class 0 ranks +,-,+,-: AP = 1/2 x 1 + 1/2 x 2/3. Class 1 ranks -,+: AP = 1/2. Class 2 has no positive: no AP.
+    assert [row[1] for row in m["per_class"]] == pytest.approx([5 / 6, 1 / 2, None])
+    assert m["val/map"] == pytest.approx((5 / 6 + 1 / 2) / 2)
+    # At 0.5: class 0 predicted for images 0-2 (2 right), class 1 for images 1 and 3 (1 right), class 2 for image 2.
+    assert [row[2:5] for row in m["per_class"][:2]] == pytest.approx([(2 / 3, 1.0, 0.8), (0.5, 1.0, 2 / 3)])
+    assert m["per_class"][2][:5] == (0, None, 0.0, None, None)
+    assert m["val/f1"] == pytest.approx((0.8 + 2 / 3) / 2) and m["val/precision"] == pytest.approx((2 / 3 + 0.5) / 2)
+    assert m["val/exact_match"] == 0.25  # image 0 alone has all its labels right
+    # Best F1 per class: 0.8 at 0.7 for class 0, 2/3 from 0.6 for class 1; class 2 keeps the given threshold.
+    assert m["thresholds"] == pytest.approx([0.7, 0.6, 0.5])
+    per_class = multilabel_metrics(probs, targets, m["thresholds"])
+    assert per_class["val/f1"] == pytest.approx((0.8 + 2 / 3) / 2) and per_class["val/exact_match"] == 0.25
+
+
+# --- single- against multi-label ----------------------------------------------------------------------------------
+
+def test_a_recipe_and_data_of_different_kinds_fail_before_any_work(tmp_path, capsys):
+    runs = f"project={tmp_path / 'runs'}"
+    root = write_multilabel(tmp_path / "data")
+    error = fails(["--recipe", "cls.yaml", "data.multilabel=true", runs], capsys)
+    assert ("data.multilabel=true, but data.name=digits has one label per image; multi-label data is a CSV list "
+            "with a labels column") in error
+    error = fails(["--recipe", "cls.yaml", f"data.name={root}", runs], capsys)
+    assert (f"data.name={root} lists several labels per image (a labels column), but data.multilabel=false: set "
+            f"data.multilabel=true (recipes/multilabel.yaml)") in error
+    for cache in ("ram", "none"):  # checked before the RAM cache decodes anything
+        error = fails(["--recipe", "multilabel.yaml", "data.multilabel=false", f"data.cache={cache}", runs], capsys)
+        assert "data.name=multidigits lists several labels per image" in error
+    folder = make_image_folder(tmp_path / "folders", {"train": {"a": 2, "b": 2}, "val": {"a": 1, "b": 1}})
+    error = fails(["--recipe", "multilabel.yaml", f"data.name={folder}", runs], capsys)
+    assert f"data.multilabel=true, but data.name={folder} has one label per image" in error
+    error = fails(["--recipe", "cls.yaml", "train.best_metric=map", runs], capsys)
+    assert "train.best_metric must be auto, top1 or balanced_top1 (map is for data.multilabel=true)" in error
+    assert not (tmp_path / "runs").exists()
+
+
+def test_recipe_checks_name_the_multilabel_key(tmp_path):
+    for option, expected in (("data.cache=jpeg", "data.cache must be none or ram with data.multilabel=true"),
+                             ("train.best_metric=top1", "train.best_metric must be auto or map with "
+                                                        "data.multilabel=true, got 'top1'"),
+                             ("data.sampler=balanced", "data.sampler must be shuffle with data.multilabel=true"),
+                             ("train.threshold=1", "train.threshold must be a probability in (0, 1), got 1.0")):
+        with pytest.raises(RecipeError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+            load_recipe("multilabel.yaml", [option])
+
+
+# --- the same run at N = 1, 2, 3 ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def n_runs(tmp_path_factory):
+    """{launch: project}: tests/n_invariance.py's multi-label runs (RAM cache and per image; MixUp, positive
+    weights, smoothing) at N=1 on two threads and on one, N=2 and N=3."""
+    base = tmp_path_factory.mktemp("ml")
+    data = write_multilabel(base / "data")
+    return launch_n_invariance(base, data, "multilabel")
+
+
+def flat_weights(run_dir):
+    model = load_checkpoint(run_dir / "weights" / "last.pt")["model"]
+    return torch.cat([t.flatten().double() for t in model.values()])
+
+
+@pytest.mark.parametrize("path", ("ram", "none"))
+def test_two_and_three_processes_train_and_score_what_one_does_up_to_float_rounding(n_runs, path):
+    reference = flat_weights(n_runs["1"] / path)
+    rounding = (flat_weights(n_runs["1, one thread"] / path) - reference).abs().max().item()
+    tolerance = 10 * max(rounding, 1e-6)
+    moved = (reference - flat_weights(n_runs["1"] / ("none" if path == "ram" else "ram"))).abs().max().item()
+    assert moved > 100 * tolerance  # the two paths' pixels differ: a split batch would show as much
+    _, (row,) = read_results(n_runs["1"] / path)
+    events = EventAccumulator(str(n_runs["1"] / path), size_guidance={"scalars": 0}).Reload()
+    losses = {e.step: e.value for e in events.Scalars("train/loss_step")}
+    assert sorted(losses) == [1, 2, 3, 4]
+    for n in ("2", "3"):
+        assert (flat_weights(n_runs[n] / path) - reference).abs().max().item() <= tolerance, (n, rounding)
+        _, (other,) = read_results(n_runs[n] / path)
+        for key in ("val/map", "val/f1", "val/exact_match"):  # every val image once, whichever rank scored it
+            assert float(other[key]) == pytest.approx(float(row[key]), abs=1e-6), (n, key)
+        assert float(other["val/loss"]) == pytest.approx(float(row["val/loss"]), rel=1e-5)
+        events = EventAccumulator(str(n_runs[n] / path), size_guidance={"scalars": 0}).Reload()
+        assert {e.step: pytest.approx(e.value, abs=1e-5) for e in events.Scalars("train/loss_step")} == losses
+        thresholds = load_checkpoint(n_runs[n] / path / "weights" / "last.pt")["thresholds"]
+        assert thresholds == pytest.approx(load_checkpoint(n_runs["1"] / path / "weights" / "last.pt")["thresholds"],
+                                           abs=1e-5)
+
+
+# --- exact resume, val.py, predict.py, export.py ------------------------------------------------------------------
+
+RESUMED = ["--recipe", "cls.yaml", *TINY, "data.multilabel=true", "train.epochs=2", "data.cutmix_alpha=1.0",
+           "train.class_weights=balanced", "train.save_every_steps=2", "train.ema_decay=0.9", "train.ema_steps=1"]
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """(data root, an uninterrupted two-epoch multi-label run, the same run stopped by Ctrl-C in epoch 1 and
+    resumed)."""
+    base = tmp_path_factory.mktemp("resume")
+    data = write_multilabel(base / "data")
+    result = run_python("train.py", *RESUMED, f"data.name={data}", f"project={base}", "name=straight")
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_python("tests/faults.py", "signal-at-step:1:SIGINT", "train.py", *RESUMED, f"data.name={data}",
+                        f"project={base}", "name=stopped")
+    assert result.returncode == 130 and load_checkpoint(base / "stopped" / "weights" / "last.pt")["step"] == 2
+    result = run_python("train.py", "--resume", base / "stopped")
+    assert result.returncode == 0 and "resuming at epoch 1, step 2" in result.stdout, result.stderr[-3000:]
+    return data, base / "straight", base / "stopped"
+
+
+def test_a_stopped_multilabel_run_resumes_to_bit_identical_weights_metrics_and_thresholds(resumed):
+    _, straight, stopped = resumed
+    for name in ("last.pt", "best.pt"):
+        ours, theirs = (load_checkpoint(run / "weights" / name) for run in (stopped, straight))
+        for key in ("model", "ema"):
+            assert all(torch.equal(ours[key][k], theirs[key][k]) for k in theirs[key])
+        assert ours["thresholds"] == theirs["thresholds"] and len(ours["thresholds"]) == 3
+        assert ours["best_top1"] == theirs["best_top1"]  # the best mAP
+    time = {"time/epoch", "time/img_s"}
+    rows = [[{k: v for k, v in r.items() if k not in time} for r in read_results(run)[1]]
+            for run in (stopped, straight)]
+    assert rows[0] == rows[1] and len(rows[0]) == 2 and rows[0][0]["val/ema_map"] != ""
+
+
+def test_tensorboard_holds_map_per_class_ap_and_pr_curves_and_results_png_is_drawn(resumed):
+    _, run, _ = resumed
+    events = EventAccumulator(str(run), size_guidance={"scalars": 0, "tensors": 0}).Reload()
+    tags = events.Tags()
+    steps = [e.step for e in events.Scalars("val/map")]
+    assert steps == [4, 8]  # each epoch's end
+    assert {"val/f1", "val/exact_match", "val_ema/map", "val_ap/red sky"} <= set(tags["scalars"])
+    _, rows = read_results(run)
+    assert [round(e.value, 5) for e in events.Scalars("val/map")] == [round(float(r["val/map"]), 5) for r in rows]
+    assert {f"val_pr/{name}" for name in CLASSES} <= set(tags["tensors"])
+    curve = events.Tensors("val_pr/red sky")[-1].tensor_proto  # (6, thresholds): TP, FP, TN, FN, precision, recall
+    assert curve.tensor_shape.dim[0].size == 6
+    table = events.Tensors("val/per_class/text_summary")[-1].tensor_proto.string_val[0].decode()
+    assert table.startswith("| class | AP | F1 | positives | best threshold |") and "| red sky |" in table
+    assert (run / "results.png").stat().st_size > 10_000
+
+
+def test_val_py_reproduces_training_and_counts_each_image_once_at_two_processes(resumed, tmp_path):
+    data, run, _ = resumed
+    weights = run / "weights" / "last.pt"
+    _, rows = read_results(run)
+    at_half = val.main(["--weights", str(weights), "--threshold", "0.5", "--project", str(tmp_path), "--name", "a"])
+    for key in ("val/map", "val/f1", "val/precision", "val/recall", "val/exact_match"):
+        assert at_half[key] == pytest.approx(float(rows[-1][key]), abs=1e-6), key
+    ckpt = load_checkpoint(weights)
+    chosen = val.main(["--weights", str(weights), "--project", str(tmp_path), "--name", "b"])  # per-class thresholds
+    expected = multilabel_metrics(chosen["probs"].numpy(), chosen["targets"].numpy(), ckpt["thresholds"])
+    assert chosen["val/f1"] == expected["val/f1"] and chosen["val/f1"] >= at_half["val/f1"]
+    assert [r[5] for r in chosen["per_class"]] == pytest.approx(ckpt["thresholds"])  # chosen on this same split
+    best = run / "weights" / "best.pt"
+    measured = val.main(["--weights", str(best), "--project", str(tmp_path), "--name", "best"])
+    assert [r[5] for r in measured["per_class"]] == pytest.approx(load_checkpoint(best)["thresholds"])
+    with open(tmp_path / "b" / "per_class.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [r["class"] for r in table] == CLASSES
+    assert [int(r["support"]) for r in table] == chosen["targets"].sum(0).tolist()
+    result = run_torchrun("val.py", "--weights", weights, "--project", tmp_path, "--name", "two", nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    two = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    assert two["images"] == 9 and two["processes"] == 2
+    for key in ("map", "f1", "exact_match"):
+        assert two[key] == pytest.approx(chosen[f"val/{key}"], abs=1e-6)
+    single = make_image_folder(tmp_path / "single", {"val": {"blue": 1}})
+    result = run_python("val.py", "--weights", weights, "--data", single)
+    assert result.returncode == 2 and f"data.multilabel=true, but data.name={single} has one label per image" in \
+        result.stderr
+
+
+def test_predict_lists_every_label_from_its_threshold_and_export_outputs_probabilities(resumed, tmp_path):
+    data, run, _ = resumed
+    weights = run / "weights" / "best.pt"
+    ckpt = load_checkpoint(weights)
+    rows, _ = predict.main(["--weights", str(weights), "--source", str(data / "val"), "--project", str(tmp_path),
+                            "--save-images", "--workers", "0"])
+    cfg = checkpoint_recipe(ckpt["recipe"], weights)
+    model = model_from_checkpoint(ckpt, cfg, weights)
+    with open(tmp_path / "exp" / "predictions.csv") as f:
+        table = list(csv.DictReader(f))
+    assert list(table[0]) == ["file", "labels", "probs", "drawn"] and len(table) == 9
+    transform, normalize = val_transforms(cfg.data), normalizer(cfg.data, torch.device("cpu"))
+    for row, saved in zip(rows, table):
+        image = transform(decode(row["file"]))[None]
+        with torch.no_grad():
+            probs = model(normalize(image)).sigmoid()[0].tolist()
+        expected = sorted((c for c in range(3) if probs[c] >= ckpt["thresholds"][c]), key=lambda c: -probs[c])
+        assert [t["class"] for t in row["labels"]] == [CLASSES[c] for c in expected]
+        assert saved["labels"] == "|".join(CLASSES[c] for c in expected)
+        assert [float(p) for p in saved["probs"].split("|") if p] == pytest.approx([probs[c] for c in expected],
+                                                                                     rel=1e-4)
+    low, _ = predict.main(["--weights", str(weights), "--source", str(data / "val"), "--project", str(tmp_path),
+                           "--threshold", "0.000001", "--workers", "0"])
+    assert all(len(r["labels"]) == 3 for r in low)
+    results = export.main(["--weights", str(weights), "--format", "torchscript", "onnx"])  # each checked in export
+    import onnx
+    proto = onnx.load(str(results["onnx"][0]))
+    assert [o.name for o in proto.graph.output] == ["probs"]
+    assert json.loads({p.key: p.value for p in proto.metadata_props}["thresholds"]) == ckpt["thresholds"]
+    path, _ = results["torchscript"]
+    files = {"metadata.json": ""}
+    exported = torch.jit.load(str(path), _extra_files=files)
+    metadata = json.loads(files["metadata.json"])
+    assert metadata["thresholds"] == ckpt["thresholds"] and "probabilities" in metadata["output"]
+    x = torch.randn(4, 3, 8, 8)
+    with torch.no_grad():
+        assert torch.allclose(exported(x), model(x).sigmoid(), atol=1e-6)
+
+
+def test_best_pt_holds_the_thresholds_of_the_weights_it_holds(tmp_path):
+    from types import SimpleNamespace
+
+    from utils.checkpoint import save_state
+
+    model = torch.nn.Linear(2, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = SimpleNamespace(model=model, optimizer=optimizer, scaler=torch.amp.GradScaler("cpu", enabled=False),
+                            scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), epoch=1, step=0,
+                            epoch_loss=(0.0, 0), logged_loss=(0.0, 0), best_top1=0.5, best_epoch=1,
+                            ema=torch.optim.swa_utils.AveragedModel(model), thresholds=[0.1, 0.2, 0.3],
+                            ema_thresholds=[0.4, 0.5, 0.6])
+    paths = [tmp_path / "best.pt", tmp_path / "last.pt"]
+    save_state(state, {}, CLASSES, 10, paths, best_from_ema=True)
+    best, last = (load_checkpoint(path) for path in paths)
+    assert (best["model_source"], best["thresholds"]) == ("ema", [0.4, 0.5, 0.6])
+    assert (last["model_source"], last["thresholds"]) == ("training", [0.1, 0.2, 0.3])
+
+
+# --- the embedded set ---------------------------------------------------------------------------------------------
+
+def test_torchrun_trains_multidigits_to_a_high_map_that_val_py_reproduces(tmp_path):
+    result = run_torchrun("train.py", "--recipe", "multilabel.yaml", "train.epochs=3", f"project={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, rows = read_results(tmp_path / "exp")
+    assert float(rows[-1]["val/map"]) > 0.98  # about 0.997 after 3 epochs, and 0.999 after the recipe's 8
+    result = run_python("val.py", "--weights", tmp_path / "exp" / "weights" / "best.pt", "--project", tmp_path / "v")
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = json.loads((tmp_path / "v" / "exp" / "metrics.json").read_text())
+    assert f"{saved['map']:.6g}" == rows[-1]["val/map"] and saved["images"] == 1000
