@@ -151,6 +151,7 @@ def predict(args):
                                                             for c, p in zip(labels, probs)]})
     if RANK == 0:  # predict.py shares no work: under torchrun every process classifies every image, one saves
         save_dir = increment_path(Path(args.project) / args.name, mkdir=True)
+        k = None if thresholds is not None else k  # multi-label: every label from its threshold, not a top k
         LOGGER.info(report(rows, skipped, k))
         if args.save_images:
             name_drawn_copies(save_dir, rows)
@@ -186,10 +187,10 @@ def entries(row):
     return row["labels"] if "labels" in row else row["top"]
 
 
-def report(rows, skipped, k):
-    """The console table: each image's top-k classes with their probabilities, or its labels (multi-label); the
-    first MAX_ROWS_SHOWN."""
-    if rows and "labels" in rows[0]:
+def report(rows, skipped, k=None):
+    """The console table: each image's top-k classes with their probabilities, or with k None (multi-label) its
+    labels; the first MAX_ROWS_SHOWN."""
+    if k is None:
         table = format_table(["file", "labels"], [[r["file"], ", ".join(f"{t['class']} {t['prob']:.3f}" for t in
                                                                         r["labels"]) or "-"]
                                                   for r in rows[:MAX_ROWS_SHOWN]])
@@ -202,10 +203,10 @@ def report(rows, skipped, k):
 
 
 def save_results(save_dir, rows, skipped, k, facts, drawn_column=False):
-    """predictions.csv (file, then class and probability for each of the top k, or for multi-label rows the labels
-    and their probabilities, each '|'-separated as in a training CSV, then with drawn_column the path of the image's
-    drawn copy) and predictions.json."""
-    multilabel = bool(rows) and "labels" in rows[0]
+    """predictions.csv (file, then class and probability for each of the top k, or with k None (multi-label) the
+    labels and their probabilities, each '|'-separated as in a training CSV, then with drawn_column the path of the
+    image's drawn copy) and predictions.json."""
+    multilabel = k is None
     with open(save_dir / "predictions.csv", "w", newline="", encoding="utf-8") as f:  # class names in any script
         writer = csv.writer(f)
         # drawn comes last so that the other columns keep their places with and without --save-images

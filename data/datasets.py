@@ -19,7 +19,8 @@ from data.cache import cached_datasets, keep_batch
 from data.cifar import CIFAR, cifar_dataset
 from data.jpeg_cache import decodes_on_device, jpeg_datasets
 from data.layouts import (CLASS_FOLDERS, CSV_FILES, SPLIT_FILE, VAL_NAMES, HoldOut, csv_dataset, csv_datasets, either,
-                          find_layout, first_present, listed_alike, listed_split, read_split, split_files)
+                          find_layout, first_present, listed_alike, listed_split, read_split, split_files,
+                          training_bar)
 from data.mix import batch_mixer
 from data.multilabel import check_task, positive_weights, write_multidigits
 from data.shard_sets import describe, eval_shards, shard_datasets
@@ -137,7 +138,8 @@ def eval_dataset(root, split, transform, classes, weights, allow_outside=False):
     if layout == CSV_FILES:
         names = [f"{name}.csv" for name in (VAL_NAMES if split == "val" else (split,))]
         return listed_alike(root, lambda: (csv_dataset(first_present(root, names, "to evaluate"), transform, load_rgb,
-                                                       classes, f"is {unknown_means}", allow_outside),))[0]
+                                                       classes, f"is {unknown_means}", allow_outside,
+                                                       training_bar(root)),))[0]
     if layout == CLASS_FOLDERS:
         record, path = saved_split(root, split, weights)  # read by rank 0, outside listed_alike: a collective
         return listed_alike(root, lambda: (listed_split(root, record, split, transform, load_rgb, classes, path),))[0]
@@ -274,11 +276,11 @@ def training_datasets(cfg, seed, saved_in=None, device=torch.device("cpu")):
     if cfg.cache == "none":
         train_set, val_set = train_val_datasets(cfg.name, train_transforms(cfg), val_transforms(cfg), cfg.skip_corrupt,
                                                 hold_out, cfg.csv_allow_outside)
-        check_task(train_set, cfg.multilabel, cfg.name)
+        check_task(train_set, cfg.multilabel, cfg.name, val_set)
         return train_set, val_set
     train_source, val_source = train_val_datasets(cfg.name, None, None, cfg.skip_corrupt, hold_out,
                                                   cfg.csv_allow_outside)
-    check_task(train_source, cfg.multilabel, cfg.name)  # before decoding every image
+    check_task(train_source, cfg.multilabel, cfg.name, val_source)  # before decoding every image
     if cfg.cache == "jpeg":
         return jpeg_datasets(train_source, val_source, cfg, seed, val_transforms(cfg), device)
     return cached_datasets(train_source, val_source, cfg, seed, val_transforms(cfg))

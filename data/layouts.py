@@ -187,7 +187,7 @@ def csv_datasets(root, train_transform, val_transform, loader, allow_outside=Fal
     val_csv = first_present(root, [f"{name}.csv" for name in VAL_NAMES], "beside train.csv")
     train_set = csv_dataset(train_csv, train_transform, loader, allow_outside=allow_outside)
     val_set = csv_dataset(val_csv, val_transform, loader, train_set.classes, f"has no training images in {train_csv}",
-                          allow_outside)
+                          allow_outside, train_set.label_bar)  # split as train.csv is: a val.csv may have no '|'
     if val_set.multilabel != train_set.multilabel:
         kinds = {True: "a labels column (several labels per image)", False: "a label column (one label per image)"}
         raise DatasetError(f"{val_csv}: has {kinds[val_set.multilabel]}, {train_csv.name} has "
@@ -201,13 +201,17 @@ def csv_datasets(root, train_transform, val_transform, loader, allow_outside=Fal
     return train_set, val_set
 
 
-def csv_dataset(csv_file, transform, loader, classes=None, unknown_means="", allow_outside=False):
+def csv_dataset(csv_file, transform, loader, classes=None, unknown_means="", allow_outside=False, bar=None):
     """A ListedImages of a path,label CSV, or a multi-label one of a path,labels CSV (data/multilabel.py; paths
     relative to its folder, which they may not leave unless allow_outside). Its classes are its sorted labels (as
     ImageFolder sorts folders), or the given ones, where a label not among them is an error ending in unknown_means.
     A bad row, a missing file or an image listed with two labels (label sets) is a DatasetError naming the CSV and the
-    line; rank 0 warns of an image listed twice with the same."""
+    line; rank 0 warns of an image listed twice with the same. bar: whether multi-label cells split on '|' (the
+    training CSV's choice, label_bar); None: as this file says (uses_bar)."""
     rows, multilabel = csv_rows(csv_file)
+    bar = uses_bar(rows, multilabel) if bar is None else bar
+    if multilabel:
+        rows = [(line, path, tuple(sorted(split_labels(labels, bar)))) for line, path, labels in rows]
     names = [os.path.normpath(path) for _, path, _ in rows]  # as compared: ./a.png, a//b.png are a.png, a/b.png
     if not allow_outside:
         check_inside(csv_file, rows, names)
@@ -231,7 +235,20 @@ def csv_dataset(csv_file, transform, loader, classes=None, unknown_means="", all
         first, line, path = repeats[0]
         LOGGER.warning(f"{colorstr('data:')} {csv_file}: {len(repeats)} row(s) list an image again with the same label "
                        f"(e.g. {path}, lines {first} and {line}); each image counts as often as it is listed")
-    return ListedImages(folder, samples, classes, transform, loader, csv_file.stem, multilabel)
+    dataset = ListedImages(folder, samples, classes, transform, loader, csv_file.stem, multilabel)
+    dataset.label_bar = bar
+    return dataset
+
+
+def uses_bar(rows, multilabel):
+    """Whether a CSV's labels cells split on '|' (any cell holds one), for csv_rows' rows."""
+    return multilabel and any("|" in labels for _, _, labels in rows)
+
+
+def training_bar(root):
+    """Whether root's train.csv splits its labels on '|', which its other CSVs then do too; None without one."""
+    train_csv = root / "train.csv"
+    return uses_bar(*csv_rows(train_csv)) if train_csv.is_file() else None
 
 
 def check_inside(csv_file, rows, names):
@@ -266,18 +283,18 @@ def repeated_rows(csv_file, rows, names):
 
 def csv_rows(csv_file):
     """([(line, path, label)], False) of a CSV whose header names a path and a label column (others are ignored);
-    ([(line, path, (label, ...))], True) of one with a labels column instead: multi-label, its labels split as
-    data/multilabel.py says, an empty cell meaning none."""
+    ([(line, path, labels cell)], True) of one with a labels column instead: multi-label (a CSV with both is read by
+    its label column, as before multi-label), an empty cell meaning none."""
     reader = None
     try:
         with open(csv_file, newline="", encoding="utf-8-sig") as f:  # -sig: a spreadsheet's byte-order mark
             reader = csv.DictReader(f)
             header = reader.fieldnames or []
-            if "path" not in header or ("label" in header) == ("labels" in header):
+            if "path" not in header or not {"label", "labels"} & set(header):
                 raise DatasetError(f"{csv_file}, line 1: the header must name the columns path,label (one label per "
                                    f"image; path relative to the CSV's folder) or path,labels (several), got "
                                    f"{','.join(header) or 'nothing'}")
-            column = "labels" if "labels" in header else "label"
+            column = "label" if "label" in header else "labels"
             rows = [(reader.line_num, row["path"], row[column]) for row in reader]
     except UnicodeDecodeError as e:
         raise DatasetError(f"{csv_file}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
@@ -293,9 +310,6 @@ def csv_rows(csv_file):
                                f"path,{column}")
     if not rows:
         raise DatasetError(f"{csv_file}: no rows under its header; list one image per line as path,{column}")
-    if multilabel:
-        bar = any("|" in labels for _, _, labels in rows)
-        rows = [(line, path, tuple(sorted(split_labels(labels, bar)))) for line, path, labels in rows]
     return rows, multilabel
 
 

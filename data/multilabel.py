@@ -1,8 +1,9 @@
 """Multi-label data: an image carries any number of the classes (none included), listed in a CSV's labels column, and
 the embedded multidigits set; targets are multi-hot uint8 vectors, one byte per class.
 
-A CSV row's labels are separated by '|' when the file uses '|' anywhere (class names may then hold spaces: 'golden
-retriever|ball'), else by spaces ('3 7'); an empty cell is an image with none of the classes."""
+A CSV row's labels are separated by '|' when the root's train.csv uses '|' anywhere (class names may then hold
+spaces: 'golden retriever|ball'; its val.csv is read the same way), else by spaces ('3 7'); an empty cell is an
+image with none of the classes."""
 
 import csv
 import os
@@ -55,8 +56,9 @@ def positive_weights(dataset):
     return torch.where((positives > 0) & (negatives > 0), negatives / positives.clamp(min=1), 1.0).float()
 
 
-def check_task(train_set, multilabel, name):
-    """Refuse data whose kind (one label per image, or several) is not the recipe's data.multilabel."""
+def check_task(train_set, multilabel, name, val_set=None):
+    """Refuse data whose kind (one label per image, or several) is not the recipe's data.multilabel, and multi-label
+    val images without a single label (no class would have an AP)."""
     is_multilabel = getattr(train_set, "multilabel", False)
     if multilabel and not is_multilabel:
         raise DatasetError(f"data.multilabel=true, but data.name={name} has one label per image; multi-label data is "
@@ -66,6 +68,9 @@ def check_task(train_set, multilabel, name):
         raise DatasetError(f"data.name={name} lists several labels per image (a labels column), but "
                            f"data.multilabel=false: set data.multilabel=true (recipes/multilabel.yaml), or list one "
                            f"label per image in a label column")
+    if is_multilabel and val_set is not None and not any(val_set.targets):
+        raise DatasetError(f"{val_set.root}: none of the {len(val_set)} val images has a label, so no class has an "
+                           f"average precision (mAP) or recall; give val images with labels")
 
 
 def write_multidigits(root):

@@ -26,7 +26,7 @@ from data.verify import decode
 from models import model_from_checkpoint
 from utils.checkpoint import load_checkpoint
 from utils.config import RecipeError, checkpoint_recipe, load_recipe
-from utils.general import DatasetError
+from utils.general import DatasetError, SharedError
 from utils.multilabel import MultiLabelLoss, class_curve, multilabel_metrics
 
 CLASSES = ["blue", "green", "red sky"]  # a name with a space: the CSVs separate labels with '|'
@@ -88,11 +88,33 @@ def test_csv_labels_split_on_bar_or_spaces_and_load_as_multi_hot(tmp_path):
     assert not single.multilabel and single.classes == ["red sky"] and single[0][1] == 0
 
 
+def test_every_csv_of_a_root_splits_labels_as_its_train_csv_does(tmp_path):
+    from data.datasets import eval_dataset
+    from data.layouts import csv_datasets
+
+    for i in range(3):
+        Image.new("RGB", (4, 4)).save(tmp_path / f"{i}.png")
+    write_csv(tmp_path / "train.csv", ["0.png,sea lion|sea", "1.png,lion"])
+    write_csv(tmp_path / "val.csv", ["2.png,sea lion"])  # no '|' here: still one label, not 'sea' and 'lion'
+    train_set, val_set = csv_datasets(tmp_path, None, None, decode)
+    assert train_set.classes == ["lion", "sea", "sea lion"] and val_set.targets == [(2,)]
+    assert eval_dataset(tmp_path, "val", None, train_set.classes, "w.pt").targets == [(2,)]  # val.py's reading
+    write_csv(tmp_path / "train.csv", ["0.png,sea lion", "1.png,lion"])  # no '|' in train.csv: spaces separate
+    train_set, val_set = csv_datasets(tmp_path, None, None, decode)
+    assert train_set.classes == ["lion", "sea"] and val_set.targets == [(0, 1)]
+
+
+def test_a_csv_with_both_label_columns_is_read_as_before_by_its_label_column(tmp_path):
+    Image.new("RGB", (4, 4)).save(tmp_path / "0.png")
+    dataset = csv_dataset(write_csv(tmp_path / "a.csv", ["0.png,cat,cat|dog"], "path,label,labels"), None, decode)
+    assert not dataset.multilabel and dataset.classes == ["cat"]
+
+
 def test_csv_mistakes_are_named_with_the_file_and_line(tmp_path):
     Image.new("RGB", (4, 4)).save(tmp_path / "0.png")
     with pytest.raises(DatasetError, match=r"b.csv, line 1: the header must name the columns path,label .* or "
-                                           r"path,labels \(several\), got path,label,labels"):
-        csv_dataset(write_csv(tmp_path / "b.csv", ["0.png,a,a"], "path,label,labels"), None, decode)
+                                           r"path,labels \(several\), got path,tags"):
+        csv_dataset(write_csv(tmp_path / "b.csv", ["0.png,a"], "path,tags"), None, decode)
     with pytest.raises(DatasetError, match=r"c.csv, line 2: label 'dog' is not ours"):
         csv_dataset(write_csv(tmp_path / "c.csv", ["0.png,cat|dog"]), None, decode, ["cat"], "is not ours")
     with pytest.raises(DatasetError, match=r"d.csv: line 2 labels 0.png \('a',\) and line 3 labels 0.png \('b',\)"):
@@ -181,6 +203,13 @@ def test_ap_is_scikit_learns_average_precision_score_with_ties_and_rare_classes(
         assert class_curve(labels, probs)[0] == pytest.approx(average_precision_score(labels, probs), abs=1e-12)
 
 
+def test_metrics_of_images_without_labels_or_of_broken_weights_are_one_line():
+    with pytest.raises(SharedError, match="none of the 2 images has a label, so no class has an average precision"):
+        multilabel_metrics(np.full((2, 3), 0.5, np.float32), np.zeros((2, 3)))
+    with pytest.raises(SharedError, match="val probabilities are not finite"):
+        multilabel_metrics(np.full((2, 3), np.nan, np.float32), np.ones((2, 3)))
+
+
 def test_map_f1_exact_match_and_thresholds_match_a_hand_checked_case():
     probs = np.array([[0.9, 0.2, 0.1], [0.8, 0.6, 0.1], [0.7, 0.4, 0.6], [0.1, 0.9, 0.1]], np.float32)
     targets = np.array([[1, 0, 0], [0, 1, 0], [1, 0, 0], [0, 0, 0]])
@@ -216,6 +245,10 @@ def test_a_recipe_and_data_of_different_kinds_fail_before_any_work(tmp_path, cap
     folder = make_image_folder(tmp_path / "folders", {"train": {"a": 2, "b": 2}, "val": {"a": 1, "b": 1}})
     error = fails(["--recipe", "multilabel.yaml", f"data.name={folder}", runs], capsys)
     assert f"data.multilabel=true, but data.name={folder} has one label per image" in error
+    for split in ("val", "train"):  # val images without any label: no AP, said before any work
+        (root / f"{split}.csv").write_text("path,labels\n" + "".join(f"{split}/{i:02d}.png,\n" for i in range(3)))
+    error = fails(["--recipe", "cls.yaml", f"data.name={root}", "data.multilabel=true", runs], capsys)
+    assert f"{root}: none of the 3 val images has a label, so no class has an average precision (mAP)" in error
     error = fails(["--recipe", "cls.yaml", "train.best_metric=map", runs], capsys)
     assert "train.best_metric must be auto, top1 or balanced_top1 (map is for data.multilabel=true)" in error
     assert not (tmp_path / "runs").exists()

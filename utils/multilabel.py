@@ -10,6 +10,7 @@ from sklearn.metrics import precision_recall_curve
 from torch import nn
 
 from utils.distributed import all_gather_rows, all_reduce_sum, shared_work
+from utils.general import SharedError
 from utils.precision import autocast
 from utils.tta import tta_logits
 
@@ -80,7 +81,12 @@ def multilabel_metrics(probs, targets, threshold=0.5):
     all right; 'val/samples'; 'per_class', per class (positives, AP, precision, recall, F1, threshold), None where a
     class has no positives (precision: None where nothing was predicted); 'thresholds', per class the one that
     maximises its F1 (best_thresholds)."""
+    if not np.isfinite(probs).all():  # every rank holds the same: every rank says it
+        raise SharedError("the model's val probabilities are not finite (nan); its weights are broken")
     targets = targets.astype(bool)
+    if not targets.any():
+        raise SharedError(f"none of the {len(targets)} images has a label, so no class has an average precision (mAP) "
+                          f"or recall; evaluate images with labels")
     predicted = probs >= np.broadcast_to(np.asarray(threshold, dtype=probs.dtype), probs.shape[1:])
     hits = (predicted & targets).sum(0)
     positives, guessed = targets.sum(0), predicted.sum(0)
