@@ -3,6 +3,7 @@ it, with the project's one line and none of its traceback; Ctrl-C is said once, 
 resume before torchrun ends with code 1."""
 
 import re
+import signal
 import socket
 
 from conftest import ROOT, make_image_folder, run_torchrun
@@ -52,4 +53,7 @@ def test_ctrl_c_under_torchrun_is_said_once_saves_and_ends_with_code_1(tmp_path)
     assert f"torchrun --nproc_per_node=2 train.py --resume {tmp_path / 'runs' / 'exp'}" in result.stdout
     # torchrun raises its SignalException on receiving the signal, whatever its workers do: its own frames only.
     assert "SignalException: Process" in result.stderr and project_frames(result.stderr) == []
-    assert result.returncode == 1
+    # torchrun's code 1, or, rarely, CPython's abort when a daemon thread of torchrun's still writes to stderr as its
+    # interpreter shuts down (a race in the launcher's process, after the run has saved and said all the above).
+    shutdown_race = result.returncode == -signal.SIGABRT and "Fatal Python error: _enter_buffered_busy" in result.stderr
+    assert result.returncode == 1 or shutdown_race, result.stderr[-3000:]
