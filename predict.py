@@ -31,6 +31,7 @@ from utils.general import LOGGER, RANK, UsageError, colorstr, cpu_count, format_
 from utils.plots import THUMBNAIL_SIDE, annotated_image, contact_sheet
 from utils.precision import autocast, inference_precision
 from utils.torch_utils import select_device, set_device
+from utils.multilabel import chosen_thresholds
 from utils.tta import TTA_NAME, flip_warning, tta_logits
 
 MAX_ROWS_SHOWN = 50  # more predictions are saved but not printed
@@ -112,6 +113,7 @@ def predict(args):
         raise UsageError("--topk and --batch-size must be >= 1 and --workers >= 0")
     ckpt = load_model_checkpoint(args.weights)
     cfg, classes = checkpoint_recipe(ckpt["recipe"], args.weights), ckpt["classes"]
+    threshold, _ = chosen_thresholds(args.threshold, ckpt, cfg, args.weights)  # multi-label only
     device = select_device(args.device, key="--device")
     set_device(device)
     _, dtype = inference_precision(args.precision, cfg.train.precision, device)
@@ -126,10 +128,8 @@ def predict(args):
         LOGGER.info(f"{colorstr('predict:')} TTA: {TTA_NAME}")
         if warning := flip_warning(cfg.data.hflip, args.weights):
             LOGGER.warning(warning)
-    if args.threshold is not None and not cfg.data.multilabel:
-        raise UsageError(f"--threshold {args.threshold}: {args.weights} is a single-label checkpoint (one class per "
-                         f"image); --threshold is for multi-label ones (data.multilabel=true)")
-    thresholds = label_thresholds(args.threshold, ckpt, cfg, device) if cfg.data.multilabel else None
+    thresholds = None if threshold is None else \
+        torch.as_tensor(threshold, dtype=torch.float32, device=device).expand(len(classes))
     rows, skipped = [], []
     with torch.no_grad():
         for images, indices, unreadable in tqdm(loader, desc="predict", disable=None if len(loader) > 1 else True,
@@ -160,16 +160,6 @@ def predict(args):
         files = ["predictions.csv", "predictions.json", *(save_images(save_dir, rows) if args.save_images else [])]
         LOGGER.info(f"Results saved to {colorstr('bold', str(save_dir))}: {', '.join(files)}")
     return rows, skipped
-
-
-def label_thresholds(given, ckpt, cfg, device):
-    """A multi-label model's (C,) thresholds on device: --threshold for every class, else the checkpoint's per-class
-    ones, else the recipe's train.threshold."""
-    if given is not None and not 0 < given < 1:
-        raise UsageError(f"--threshold {given}: must be a probability in (0, 1)")
-    chosen = ckpt.get("thresholds") if given is None else None
-    value = chosen if chosen is not None else given if given is not None else cfg.train.threshold
-    return torch.as_tensor(value, dtype=torch.float32, device=device).expand(len(ckpt["classes"]))
 
 
 def labelled_rows(probs, thresholds, paths, classes):

@@ -29,7 +29,7 @@ from utils.distributed import (cleanup_distributed, exit_on_error, on_rank0, set
                                stop_if_another_rank_failed)
 from utils.general import LOGGER, RANK, WORLD_SIZE, UsageError, colorstr, format_table, increment_path, short_path
 from utils.metrics import evaluate, per_class
-from utils.multilabel import evaluate_multilabel
+from utils.multilabel import chosen_thresholds, evaluate_multilabel
 from utils.plots import confusion_figure, save_figure
 from utils.precision import inference_precision
 from utils.torch_utils import select_device, set_device, set_threads
@@ -81,15 +81,13 @@ def validate(args):
     """Evaluate the checkpoint on the split; rank 0 prints and saves the results. Returns the metrics."""
     ckpt = on_rank0(load_model_checkpoint, args.weights)  # read once, shared: other machines need no copy
     cfg, classes = checkpoint_recipe(ckpt["recipe"], args.weights), ckpt["classes"]
+    threshold, threshold_from = chosen_thresholds(args.threshold, ckpt, cfg, args.weights)  # multi-label only
     device = select_device(args.device, key="--device")
     set_device(device)
     precision, dtype = inference_precision(args.precision, cfg.train.precision, device)
     _, workers, _ = set_threads(cfg.data.workers if args.workers is None else args.workers, device_type=device.type)
     dataset = named_eval_dataset(args.data or cfg.data.name, args.split, val_transforms(cfg.data), classes,
                                  args.weights, cfg.data.csv_allow_outside, cfg.data.cache_dir)
-    if args.threshold is not None and not cfg.data.multilabel:
-        raise UsageError(f"--threshold {args.threshold}: {args.weights} is a single-label checkpoint (one class per "
-                         f"image); --threshold is for multi-label ones (data.multilabel=true)")
     check_task(dataset, cfg.data.multilabel, args.data or cfg.data.name)
     if cfg.data.skip_corrupt and hasattr(dataset, "samples"):  # as training did: its recorded top-1 left them out
         skipped = skip_unreadable(dataset)
@@ -109,9 +107,9 @@ def validate(args):
     facts = {"weights": str(args.weights), "epoch": ckpt["epoch"], "step": ckpt["step"], "data": str(dataset.root),
              "processes": WORLD_SIZE, "batch_size": batch_size, "precision": precision, "tta": args.tta}
     if cfg.data.multilabel:
-        threshold, facts["thresholds"] = thresholds(args.threshold, ckpt, cfg)
+        facts["thresholds"] = threshold_from
         LOGGER.info(f"{colorstr('val:')} multi-label: F1, precision, recall and exact match at thresholds "
-                    f"{facts['thresholds']}")
+                    f"{threshold_from}")
         metrics = evaluate_multilabel(model, loader, normalizer(cfg.data, device), len(classes), device, dtype,
                                       threshold, args.tta)
         report_fn, save_fn = report_multilabel, save_multilabel_results
@@ -124,18 +122,6 @@ def validate(args):
         files = save_fn(save_dir, metrics, classes, facts)
         LOGGER.info(f"Results saved to {colorstr('bold', str(save_dir))}: {', '.join(files)}")
     return metrics
-
-
-def thresholds(given, ckpt, cfg):
-    """Multi-label: (the threshold to count labels from: --threshold for every class, else the checkpoint's
-    per-class ones, else the recipe's train.threshold; how it was chosen, in words)."""
-    if given is not None:
-        if not 0 < given < 1:
-            raise UsageError(f"--threshold {given}: must be a probability in (0, 1)")
-        return given, f"--threshold {given} for every class"
-    if ckpt.get("thresholds") is not None:
-        return ckpt["thresholds"], "per class, chosen on val by train.py (maximising each class's F1)"
-    return cfg.train.threshold, f"train.threshold={cfg.train.threshold} for every class (none saved per class)"
 
 
 def report(metrics, classes):

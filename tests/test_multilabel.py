@@ -210,6 +210,23 @@ def test_metrics_of_images_without_labels_or_of_broken_weights_are_one_line():
         multilabel_metrics(np.full((2, 3), np.nan, np.float32), np.ones((2, 3)))
 
 
+def test_val_and_predict_count_labels_from_threshold_then_checkpoint_then_recipe():
+    from utils.general import UsageError
+    from utils.multilabel import chosen_thresholds
+
+    multi, single = (OmegaConf.create({"data": {"multilabel": m}, "train": {"threshold": 0.4}}) for m in (True, False))
+    saved = {"thresholds": [0.2, 0.7]}
+    assert chosen_thresholds(0.3, saved, multi, "w.pt") == (0.3, "--threshold 0.3 for every class")
+    assert chosen_thresholds(None, saved, multi, "w.pt")[0] == [0.2, 0.7]
+    assert chosen_thresholds(None, {"thresholds": None}, multi, "w.pt") == (
+        0.4, "train.threshold=0.4 for every class (none saved per class)")
+    assert chosen_thresholds(None, {}, single, "w.pt") == (None, None)
+    with pytest.raises(UsageError, match=r"--threshold 0.5: w.pt is a single-label checkpoint \(one class per image\)"):
+        chosen_thresholds(0.5, {}, single, "w.pt")
+    with pytest.raises(UsageError, match=r"--threshold 1.0: must be a probability in \(0, 1\)"):
+        chosen_thresholds(1.0, saved, multi, "w.pt")
+
+
 def test_map_f1_exact_match_and_thresholds_match_a_hand_checked_case():
     probs = np.array([[0.9, 0.2, 0.1], [0.8, 0.6, 0.1], [0.7, 0.4, 0.6], [0.1, 0.9, 0.1]], np.float32)
     targets = np.array([[1, 0, 0], [0, 1, 0], [1, 0, 0], [0, 0, 0]])

@@ -10,7 +10,7 @@ from sklearn.metrics import precision_recall_curve
 from torch import nn
 
 from utils.distributed import all_gather_rows, all_reduce_sum, shared_work
-from utils.general import SharedError
+from utils.general import SharedError, UsageError
 from utils.precision import autocast
 from utils.tta import tta_logits
 
@@ -105,6 +105,25 @@ def multilabel_metrics(probs, targets, threshold=0.5):
     return {"val/map": mean(1), "val/precision": mean(2), "val/recall": mean(3), "val/f1": mean(4),
             "val/exact_match": float((predicted == targets).all(1).mean()), "val/samples": len(probs),
             "per_class": per_class, "thresholds": [best for _, best in curves]}
+
+
+def chosen_thresholds(given, ckpt, cfg, weights):
+    """What val.py and predict.py count a checkpoint's labels from: (one threshold for every class or one per class,
+    how it was chosen, in words): --threshold (given), else the checkpoint's per-class thresholds, else its recipe's
+    train.threshold; (None, None) for a single-label checkpoint. --threshold outside (0, 1), or on a single-label
+    checkpoint, is a UsageError."""
+    if given is not None and not cfg.data.multilabel:
+        raise UsageError(f"--threshold {given}: {weights} is a single-label checkpoint (one class per image); "
+                         f"--threshold is for multi-label ones (data.multilabel=true)")
+    if given is not None and not 0 < given < 1:
+        raise UsageError(f"--threshold {given}: must be a probability in (0, 1)")
+    if not cfg.data.multilabel:
+        return None, None
+    if given is not None:
+        return given, f"--threshold {given} for every class"
+    if ckpt.get("thresholds") is not None:
+        return ckpt["thresholds"], "per class, chosen on val by train.py (maximising each class's F1)"
+    return cfg.train.threshold, f"train.threshold={cfg.train.threshold} for every class (none saved per class)"
 
 
 def class_curve(positive, probs, default=0.5):
