@@ -235,7 +235,8 @@ def test_map_f1_exact_match_and_thresholds_match_a_hand_checked_case():
     assert [row[1] for row in m["per_class"]] == pytest.approx([5 / 6, 1 / 2, None])
     assert m["val/map"] == pytest.approx((5 / 6 + 1 / 2) / 2)
     # At 0.5: class 0 predicted for images 0-2 (2 right), class 1 for images 1 and 3 (1 right), class 2 for image 2.
-    assert [row[2:5] for row in m["per_class"][:2]] == pytest.approx([(2 / 3, 1.0, 0.8), (0.5, 1.0, 2 / 3)])
+    precision_recall_f1 = [value for row in m["per_class"][:2] for value in row[2:5]]  # approx takes flat lists
+    assert precision_recall_f1 == pytest.approx([2 / 3, 1.0, 0.8, 0.5, 1.0, 2 / 3])
     assert m["per_class"][2][:5] == (0, None, 0.0, None, None)
     assert m["val/f1"] == pytest.approx((0.8 + 2 / 3) / 2) and m["val/precision"] == pytest.approx((2 / 3 + 0.5) / 2)
     assert m["val/exact_match"] == 0.25  # image 0 alone has all its labels right
