@@ -40,7 +40,7 @@ from utils.general import LOGGER, SharedError, colorstr, cpu_count
 from utils.memory import MEMORY_SHARE, memory_budget, size_text
 
 # torchvision 0.29 marks its image decoders deprecated in favour of TorchCodec; decode_jpeg is still there, and
-# decodes a whole batch in one call, on the GPU too (the README's troubleshooting table says what to do without it).
+# decodes a whole batch in one call, on the GPU too (docs/troubleshooting.md says what to do without it).
 warnings.filterwarnings("ignore", "The image decoding and encoding capabilities of TorchVision", DeprecationWarning)
 MEASURE = "measure"  # RamImages' default budget: memory_budget() when it is made
 

@@ -34,6 +34,8 @@ RUN = [
     "python train.py --recipe cls.yaml",
     "torchrun --nproc_per_node=2 train.py --recipe multilabel.yaml",
     "python train.py --recipe cls.yaml optim.lr=0.05 train.epochs=3 data.scale=[0.5,1.0]",
+    "python -m utils.config",
+    "python3 -m venv .venv && source .venv/bin/activate",
     "torchrun --nproc_per_node=2 train.py --recipe cls.yaml",
     "torchrun --nproc_per_node=2 train.py --recipe cls.yaml data.name=/path/to/my_data model.name=resnet18 "
     "data.img_size=224 data.scale=[0.08,1.0] data.hflip=0.5 data.crop_pct=0.875 data.mean=[0.485,0.456,0.406] "
@@ -53,10 +55,14 @@ RUN = [
 BENCHMARK = "a benchmark: minutes of measurement on this machine"
 SLURM = "SLURM's batch script: sbatch, srun and scontrol on a cluster"
 NOT_RUN = {
-    "pip install -r requirements.txt && torchrun --nproc_per_node=2 train.py --recipe cls.yaml":
-        "pip reaches the network; the torchrun command after it is run on its own",
-    "pip install -r requirements.txt -r requirements-export.txt && python -m pytest -q tests":
-        "pip reaches the network, and the suite (this test in it) takes about 10 minutes",
+    "pip install -r requirements-lock.txt && torchrun --nproc_per_node=2 train.py --recipe cls.yaml":
+        "it would reinstall the lock over the environment the suite runs in (.ci/run installs it); the torchrun "
+        "command after it is run on its own",
+    "pip install -r requirements-lock.txt && python -m pytest -q tests":
+        "it is .ci/run, which runs this suite (this test in it)",
+    "pip install -r requirements-lock.txt": "it is .ci/run's install: the suite runs in what it installed",
+    "pip install -r requirements.txt -r requirements-export.txt -c requirements-lock.txt --extra-index-url "
+    "https://download.pytorch.org/whl/cpu": "PyTorch's CPU index is not reachable here",
     "python -m pytest -m cuda": "needs a CUDA GPU",
     "torchrun --nproc_per_node=8 train.py --recipe cls.yaml device=cuda": "needs 8 CUDA GPUs",
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d "

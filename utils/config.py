@@ -499,7 +499,7 @@ def recipe_to_yaml(cfg):
 
 
 def key_table(cls=Recipe, prefix=""):
-    """The README's table of recipe keys, generated from the schema: key, default and the comment beside it
+    """docs/recipes.md's table of recipe keys, generated from the schema: key, default and the comment beside it
     (print it with `python -m utils.config`)."""
     comments = dict(re.findall(r"^    (\w+): [^#\n]*?  # (.*)$", inspect.getsource(cls), re.MULTILINE))
     rows = [] if prefix else ["| key | default | meaning |", "| --- | --- | --- |"]
