@@ -19,6 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from utils.general import end_quietly_on_interrupt
+
+if __name__ == "__main__":  # first: a Ctrl-C during the imports below ends the process with one line
+    end_quietly_on_interrupt()
+
 import torch
 from omegaconf import OmegaConf
 from torch import nn
@@ -30,23 +35,24 @@ from data.datasets import balanced_class_weights, input_feed, set_epoch, trainin
 from data.layouts import held_out_folder, save_split
 from data.shard_sets import check_same_shards
 from data.transforms import crop_spec, normalizer, val_size
-from models import build_model, check_input_size, check_model_name, start_from
+from models import build_model, check_batch_for_batchnorm, check_input_size, check_model_name, start_from
 from models.pretrained import fine_tuning, follow_weights, freeze_batchnorm
 from utils.checkpoint import restore, save_state
 from utils.config import Recipe, best_metric
 from utils.distributed import (cleanup_distributed, exit_on_error, keep_ranks_in_step, setup_distributed,
-                               stop_if_another_rank_failed)
+                               stop_if_another_rank_failed, when_failing)
 from utils.general import LOGGER, RANK, WORLD_SIZE, SharedError, UsageError, colorstr
 from utils.loggers import WRONG_SHOWN, RunLogger, epoch_summary
 from utils.metrics import EpochLoss, evaluate, evaluate_ema
 from utils.multilabel import MultiLabelLoss, evaluate_multilabel, evaluate_multilabel_ema
 from utils.optim import build_optimizer, build_scheduler, stepped_parameters
 from utils.precision import autocast, autocast_dtype, grad_scaler
-from utils.run import make_run_dir, next_steps, prepare_run, resumed_run_dir, stopped_message
+from utils.run import make_run_dir, next_steps, prepare_run, remove_if_unsaved, resumed_run_dir, stopped_message
 from utils.seeds import init_seeds
 from utils.stopping import StopVote, check_vote, out_of_patience, record_best, wants_save, weights_sum
 from utils.torch_utils import (compiled, de_parallel, join_uneven_inputs, memory_format, model_ema, no_sync,
-                               select_device, set_device, set_threads, smart_DDP, sync_batchnorm, update_ema)
+                               one_image_batchnorm, select_device, set_device, set_threads, smart_DDP, sync_batchnorm,
+                               update_ema)
 
 
 @dataclass
@@ -111,8 +117,9 @@ def main(argv=None):
     """Join the process group, settle the recipe and checkpoint, train and return the best val score; bad input
     exits with code 2 and one line, a stop signal with 128 + its number after saving."""
     args = parse_args(argv)
-    # Stop signals are caught from here on: one that arrives while the ranks set up stops the run after its first
-    # step, where the default action would kill this rank and leave the others failing at a collective.
+    # Stop signals are caught from here on: a SIGTERM that arrives while the ranks set up stops the run after its
+    # first step, where the default action would kill this rank and leave the others failing at a collective; a
+    # Ctrl-C before the run directory is made ends every rank at once (torchrun passes it to each), nothing saved.
     try:
         with StopVote() as vote:
             setup_distributed()
@@ -140,12 +147,16 @@ def train(cfg, vote, dtype, run_dir=None, resume=None):
     score of train.best_metric (top-1 by default), or None when the ranks stopped on a signal. vote (a StopVote,
     entered) holds the training device."""
     device = vote.device
+    check_batch_for_batchnorm(cfg)  # before the data is read: a mistake of the recipe alone
     threads, workers, workers_why = set_threads(cfg.data.workers, input_feed(cfg.data, device), device.type)
     init_seeds(cfg.seed + RANK, cfg.train.deterministic)  # own dropout stream per rank; DDP copies rank 0's init
     # A resumed run reuses its saved data.val_split split (files added since change nothing); else it is made anew.
     train_set, val_set, train_loader, val_loader, mix = training_data(cfg, device, workers, run_dir if resume else None)
     classes = train_set.classes
     steps = train_loader.sampler.steps()[0]
+    if train_loader.sampler.step_samples(0) < cfg.train.batch_size and RANK == 0:
+        LOGGER.warning(f"train.batch_size={cfg.train.batch_size} is more than the epoch's "
+                       f"{train_loader.sampler.size} training images: each epoch is one step of them all")
     state = build_state(cfg, len(classes), device, dtype, steps, pretrained=not resume)
     if resume:
         check_same_shards(*resume, train_set)
@@ -163,7 +174,10 @@ def train(cfg, vote, dtype, run_dir=None, resume=None):
                 f"{f'; resuming at epoch {state.epoch + 1}, step {state.step}' if resume else ''}")
     # Only now: a run that fails on its data or model leaves no directory behind.
     continuing = run_dir is not None  # resumed, or restarted by torchrun into this job's run
+    vote.started = True  # from here a Ctrl-C stops the run where it can save (StopVote)
     run_dir = resumed_run_dir(run_dir, cfg) if continuing else make_run_dir(cfg)
+    if not continuing:  # a new run that fails before its first checkpoint leaves nothing behind
+        when_failing(lambda: remove_if_unsaved(run_dir))
     save_split(run_dir, cfg, train_set, val_set)  # data.val_split's split, for a resume and val.py to reuse
     logger = RunLogger(run_dir, cfg, classes, (state.epoch, state.epoch * steps + state.step) if continuing else None
                        ) if RANK == 0 else None
@@ -282,7 +296,7 @@ def train_step(state, images, targets, criterion, dtype, cfg, step_samples, accu
     state.optimizer.zero_grad(set_to_none=True)
     total = 0
     for i, (x, y) in enumerate(zip(images.tensor_split(accumulate), targets.tensor_split(accumulate))):
-        with no_sync(state.model, skip=i < accumulate - 1):
+        with no_sync(state.model, skip=i < accumulate - 1), one_image_batchnorm(state.model, len(x)):
             with autocast(x.device, dtype):
                 loss_sum = criterion(state.model(x), y)
             # DDP averages gradients over the processes (one that has run out adds zeros): scaled so, the step's

@@ -14,7 +14,8 @@ from models.pretrained import head_keys, named_state, weights_kind
 from models.resnet_cifar import resnet18_cifar
 from utils.checkpoint import load_checkpoint, state_dict_mismatch
 from utils.distributed import on_rank0
-from utils.general import LOGGER, SharedError, UsageError, colorstr
+from utils.general import LOGGER, WORLD_SIZE, SharedError, UsageError, colorstr
+from utils.torch_utils import batchnorm_layers
 
 # Their training-mode output is (logits, aux logits): build them with the main head only, so every model
 # returns plain logits. init_weights=True keeps torchvision's current initialisation and silences its warning.
@@ -66,6 +67,41 @@ def build_model(cfg, num_classes, img_size=224):
         reason = str(e).strip().splitlines()[0]
         raise UsageError(f"model.name={cfg.name!r} cannot be built for {img_size}x{img_size} images "
                          f"(data.img_size={img_size}): {reason}; choose another data.img_size or model.name") from None
+
+
+def has_batchnorm(cfg, img_size):
+    """Whether the network of the model section cfg has BatchNorm layers: built on the meta device (no memory, no
+    weights drawn), or on the CPU where its construction reads a tensor's value (timm's drop-path rates)."""
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg, 2, img_size)
+    except (RuntimeError, NotImplementedError):
+        model = build_model(cfg, 2, img_size)
+    return bool(batchnorm_layers(model))
+
+
+def check_batch_for_batchnorm(cfg, world_size=WORLD_SIZE):
+    """Refuse, before any data is read, a recipe whose every step gives a process one image per micro-batch while the
+    model has BatchNorm layers, which normalise a batch by its own statistics: one image has none worth the name
+    (and a 1x1 feature map fails). An epoch's last, partial step may still leave a process one image: train_step
+    normalises it by the running statistics (one_image_batchnorm)."""
+    batch, accumulate = cfg.train.batch_size, cfg.train.accumulate
+    per_process = batch // world_size
+    statistics_over = per_process // accumulate * (world_size if cfg.model.sync_bn else 1)
+    if statistics_over >= 2 or not has_batchnorm(cfg.model, cfg.data.img_size):
+        return
+    images = f"{per_process} image{'s' * (per_process != 1)} per step"
+    if accumulate > 1:
+        images += f" in micro-batches {'of' if per_process == accumulate else 'as small as'} 1 image"
+    ways = [f"train.batch_size={2 * accumulate * world_size} or more",
+            *(["a lower train.accumulate"] if accumulate > 1 else []),
+            *(["model.norm=group"] if cfg.model.name == "convnet" else [])]
+    ways = ", ".join(ways[:-1]) + " or " + ways[-1] if len(ways) > 1 else ways[0]
+    processes = f"{world_size} process{'es' * (world_size != 1)}"
+    accumulating = f" with train.accumulate={accumulate}" if accumulate > 1 else ""
+    raise SharedError(f"train.batch_size={batch} on {processes}{accumulating} gives each process {images}: too few "
+                      f"for the BatchNorm layers of model.name={cfg.model.name}, which normalise by the batch's own "
+                      f"statistics; use {ways}")
 
 
 def read_weights(path):

@@ -17,6 +17,7 @@ from torch import nn
 from utils.checkpoint import load_checkpoint
 from utils.config import DataConfig
 from utils.general import LOGGER, RANK, SharedError, UsageError, colorstr, error_line
+from utils.torch_utils import batchnorm_layers
 from utils.waiting import once_per_machine as once_per_machine_waiting
 
 # How torchvision's weights enums spell their members (DEFAULT, IMAGENET1K_V1, IMAGENET1K_SWAG_E2E_V1): a value so
@@ -236,6 +237,5 @@ def head_keys(model, num_classes):
 def freeze_batchnorm(model):
     """Put every BatchNorm layer in eval mode: its running statistics stay as they are, as the frozen weights do
     (the head, the last layer, has none)."""
-    for module in model.modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            module.eval()
+    for layer in batchnorm_layers(model):
+        layer.eval()

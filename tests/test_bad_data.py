@@ -5,6 +5,7 @@ import errno
 import json
 import os
 import re
+import socket
 
 import pytest
 
@@ -13,6 +14,8 @@ import train
 import val
 from conftest import run_torchrun
 from data.datasets import build_datasets, write_digits
+from data.sampler import DistributedShuffleSampler
+from utils.config import load_recipe
 from utils.general import DatasetError, ImageError, cpu_count
 
 TRAIN_ARGS = ("train.epochs=1", "train.batch_size=4", "model.width=4", "data.img_size=8")
@@ -100,6 +103,7 @@ def test_train_py_stops_on_an_unreadable_image_with_one_line(image_folder, tmp_p
         assert not [path for path in root.iterdir() if "jpegcache" in path.name]
     else:
         assert f"{workers} worker(s)" in log.text  # one worker really loaded the images
+        assert list((tmp_path / "runs").iterdir()) == []  # its run directory, with nothing saved, is removed
     errors = [line for line in stderr.splitlines() if "error" in line]
     assert errors == [f"train.py: error: {bad}: unreadable image (image file is truncated); remove the file, or set "
                       f"data.skip_corrupt=true to check every image before training and skip unreadable ones"]
@@ -113,6 +117,24 @@ def test_torchrun_stops_on_an_unreadable_image_and_names_it(image_folder, tmp_pa
     assert result.returncode != 0
     assert re.search(rf"train\.py: error: {re.escape(str(bad))}: unreadable image \(not an image format PIL can "
                      rf"identify\); remove the file", result.stderr), result.stderr
+
+
+def test_a_new_run_that_fails_on_rank_1_before_saving_leaves_no_directory_and_keeps_earlier_runs(image_folder,
+                                                                                                   tmp_path):
+    root = image_folder({"train": {"ant": 4, "bee": 4}, "val": {"ant": 2, "bee": 2}}, size=8)
+    earlier = tmp_path / "runs" / "exp"  # an earlier run that failed after saving: kept
+    (earlier / "weights").mkdir(parents=True)
+    (earlier / "weights" / "last.pt").write_bytes(b"checkpoint")
+    # The image rank 1 loads first (its share of the first global batch of 4), unreadable: rank 1 alone fails.
+    sampler = DistributedShuffleSampler(8, 1, 2, seed=load_recipe("cls.yaml").seed, batch_size=4)
+    first = next(iter(sampler))
+    bad = truncate(root / "train" / ("ant", "bee")[first // 4] / f"{first % 4:03d}.png")
+    result = run_torchrun(*train_cmd(root, tmp_path, "data.workers=0", "data.cache=none"), nproc=2, timeout=120)
+    said = f"train.py: error: rank 1 on {socket.gethostname()}: {bad}: unreadable image"
+    assert [line for line in result.stderr.splitlines() if line.startswith(said)], result.stderr[-3000:]
+    assert "train: 2 process(es)" in result.stdout  # the run had started: its directory, exp2, was made
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["exp"]
+    assert (earlier / "weights" / "last.pt").read_bytes() == b"checkpoint"
 
 
 def test_skip_corrupt_drops_unreadable_images_warns_once_and_caches(image_folder, log, decoded):

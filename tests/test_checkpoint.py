@@ -161,19 +161,19 @@ def test_bare_resume_followed_by_overrides_takes_them_as_overrides():
     assert train.parse_args(["--resume", "runs/train/exp", "train.epochs=30"]).resume == "runs/train/exp"
 
 
-def test_a_signal_during_start_up_stops_the_run_after_its_first_steps_with_a_checkpoint(image_folder, tmp_path,
-                                                                                           monkeypatch, log):
+def test_a_sigterm_during_start_up_stops_the_run_after_its_first_steps_with_a_checkpoint(image_folder, tmp_path,
+                                                                                            monkeypatch, log):
     root = image_folder({"train": {"a": 8, "b": 8}, "val": {"a": 2, "b": 2}}, size=8)
     prepare_run = train.prepare_run
 
-    def interrupted(*args, **kwargs):  # Ctrl-C while the recipe is read, before data, model and run directory exist
-        os.kill(os.getpid(), signal.SIGINT)
+    def interrupted(*args, **kwargs):  # preemption while the recipe is read, before data, model and run directory
+        os.kill(os.getpid(), signal.SIGTERM)  # (a Ctrl-C then ends the run at once: test_torchrun_summary.py)
         return prepare_run(*args, **kwargs)
     monkeypatch.setattr(train, "prepare_run", interrupted)
     with pytest.raises(SystemExit) as stopped:
         train.main(["--recipe", "cls.yaml", f"data.name={root}", "train.batch_size=4", "model.width=4",
                     f"project={tmp_path}"])
-    assert stopped.value.code == 128 + signal.SIGINT
+    assert stopped.value.code == 128 + signal.SIGTERM
     saved = load_checkpoint(tmp_path / "exp" / "weights" / "last.pt")
     assert (saved["epoch"], saved["step"]) == (0, 2)  # the vote of step 1 is counted after step 2
     assert "Stopped at epoch 1, step 2/4" in log.text
@@ -238,3 +238,13 @@ def test_a_static_rendezvous_restart_continues_its_own_run_not_another_static_jo
 def static_torchrun(*args):
     """torchrun with two processes under static rendezvous on this machine, as a job without --rdzv-id."""
     return run_torchrun(*args, launcher=("--master-addr=127.0.0.1", f"--master-port={free_port()}", "--nnodes=1"))
+
+
+def test_the_rescheduled_lr_is_said_by_rank_0_alone(monkeypatch, log):
+    ckpt = {"recipe": {"train": {"epochs": 4}}, "optimizer": {"param_groups": [{"lr": 0.1}]}}
+    monkeypatch.setattr(utils.checkpoint, "RANK", 1)
+    utils.checkpoint.warn_of_a_rescheduled_lr("last.pt", ckpt, 2, 0.05)
+    assert log.text == ""
+    monkeypatch.setattr(utils.checkpoint, "RANK", 0)
+    utils.checkpoint.warn_of_a_rescheduled_lr("last.pt", ckpt, 2, 0.05)
+    assert "the run was planned for 4" in log.text

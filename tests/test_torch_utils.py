@@ -132,6 +132,18 @@ def test_threads_and_workers_never_oversubscribe_cores():
         torch.set_num_threads(before)
 
 
+def test_more_processes_than_cores_are_called_oversubscribed():
+    before = torch.get_num_threads()
+    try:
+        threads, workers, why = tu.set_threads("auto", cores=2, procs_per_machine=4)  # torchrun, 4 processes on 2 cores
+        assert (threads, workers) == (1, 0)
+        assert why.endswith("; oversubscribed: 4 processes share this machine's 2 cores, each process a thread or "
+                            "more (use --nproc_per_node=2 or fewer)")
+        assert "oversubscribed" not in tu.set_threads("auto", cores=2, procs_per_machine=2)[2]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_auto_workers_follow_the_data_path_and_device():
     before = torch.get_num_threads()
     try:

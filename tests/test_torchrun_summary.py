@@ -6,7 +6,9 @@ import re
 import signal
 import socket
 
-from conftest import ROOT, make_image_folder, run_torchrun
+import pytest
+
+from conftest import ROOT, make_image_folder, run_python, run_torchrun
 
 HOST = socket.gethostname()
 RECIPE = ["--recipe", "cls.yaml", "train.batch_size=4", "model.width=4", "data.workers=0"]
@@ -57,3 +59,30 @@ def test_ctrl_c_under_torchrun_is_said_once_saves_and_ends_with_code_1(tmp_path)
     # interpreter shuts down (a race in the launcher's process, after the run has saved and said all the above).
     shutdown_race = result.returncode == -signal.SIGABRT and "Fatal Python error: _enter_buffered_busy" in result.stderr
     assert result.returncode == 1 or shutdown_race, result.stderr[-3000:]
+
+
+STARTUP_LINE = "SIGINT: stopped while starting, before any training; nothing was saved"
+
+
+@pytest.mark.parametrize("point", ["import", "setup"])
+def test_ctrl_c_while_the_workers_start_is_said_once_without_tracebacks(tmp_path, point):
+    data = make_image_folder(tmp_path / "data", {"train": {"a": 4, "b": 4}, "val": {"a": 2, "b": 2}}, size=8)
+    (tmp_path / "meet").mkdir()
+    # Both workers reach the point (torch's import in train.py, or joining the process group), then rank 0 presses
+    # Ctrl-C: torchrun passes SIGINT to each worker.
+    result = run_torchrun("tests/startup_signal.py", point, tmp_path / "meet", "train.py", *RECIPE,
+                          f"data.name={data}", f"project={tmp_path / 'runs'}", timeout=120)
+    output = result.stdout + result.stderr
+    assert output.count(STARTUP_LINE) == 1 and "KeyboardInterrupt" not in output, output[-3000:]
+    assert "SignalException: Process" in result.stderr and project_frames(result.stderr) == []  # torchrun's own
+    assert not (tmp_path / "runs").exists()
+    shutdown_race = result.returncode == -signal.SIGABRT and "Fatal Python error: _enter_buffered_busy" in result.stderr
+    assert result.returncode == 1 or shutdown_race, result.stderr[-3000:]
+
+
+def test_ctrl_c_while_one_process_starts_ends_it_with_code_130_and_one_line(tmp_path):
+    (tmp_path / "meet").mkdir()
+    result = run_python("tests/startup_signal.py", "import", tmp_path / "meet", "train.py", *RECIPE,
+                        f"project={tmp_path / 'runs'}", timeout=120)
+    assert result.returncode == 128 + signal.SIGINT
+    assert result.stderr == f"\n{STARTUP_LINE}\n" and result.stdout == ""

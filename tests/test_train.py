@@ -14,11 +14,13 @@ import train
 from conftest import ROOT, console_lines, make_image_folder, read_results, run_python, run_torchrun
 from data.datasets import build_dataloader, build_datasets, dataset_root
 from data.transforms import normalizer, val_transforms
-from models import build_model
+from models import build_model, check_batch_for_batchnorm
 from utils.checkpoint import load_checkpoint
 from utils.config import CHANGES_RESULTS_WHEN, ModelConfig, Recipe, flat_keys, load_recipe
 from utils.loggers import COLUMNS, TENSORBOARD_TAGS, RunLogger
+from utils.general import SharedError
 from utils.metrics import evaluate
+from utils.torch_utils import batchnorm_layers, one_image_batchnorm
 
 
 def evaluate_checkpoint(path):
@@ -236,6 +238,53 @@ def test_unusable_project_dir_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "file").write_text("not a directory")
     error = fails(["--recipe", "cls.yaml", "train.epochs=1", f"project={tmp_path / 'file' / 'runs'}"], capsys)
     assert "cannot create the run directory" in error and "file/runs" in error
+
+
+def test_a_batch_of_one_image_per_process_with_batchnorm_is_refused_before_the_data_is_read(tmp_path, capsys):
+    # The issue's command: torchrun --nproc_per_node=2 train.py --recipe folder.yaml model.weights='' ... batch 2.
+    issue = load_recipe("folder.yaml", ["model.weights=", "data.img_size=32", "train.batch_size=2"])
+    with pytest.raises(SharedError) as e:
+        check_batch_for_batchnorm(issue, world_size=2)
+    assert str(e.value) == ("train.batch_size=2 on 2 processes gives each process 1 image per step: too few for the "
+                            "BatchNorm layers of model.name=resnet18, which normalise by the batch's own statistics; "
+                            "use train.batch_size=4 or more")
+    split = load_recipe("cls.yaml", ["train.batch_size=12", "train.accumulate=4"])  # micro-batches of 2, 2, 1, 1
+    with pytest.raises(SharedError, match=r"^train.batch_size=12 on 2 processes with train.accumulate=4 gives each "
+                                          r"process 6 images per step in micro-batches as small as 1 image: .*; use "
+                                          r"train.batch_size=16 or more, a lower train.accumulate or model.norm=group$"):
+        check_batch_for_batchnorm(split, world_size=2)
+    check_batch_for_batchnorm(load_recipe("cls.yaml", ["train.batch_size=2", "model.norm=group"]), world_size=2)
+    check_batch_for_batchnorm(load_recipe("cls.yaml", ["train.batch_size=16", "train.accumulate=4"]), world_size=2)
+    # One process, before the data is read (there is none) or a run directory made.
+    error = fails(["--recipe", "cls.yaml", "train.batch_size=1", f"data.name={tmp_path / 'nope'}",
+                   f"project={tmp_path / 'runs'}"], capsys)
+    assert error == ("train.py: error: train.batch_size=1 on 1 process gives each process 1 image per step: too few "
+                     "for the BatchNorm layers of model.name=convnet, which normalise by the batch's own statistics; "
+                     "use train.batch_size=2 or more or model.norm=group\n")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_epochs_last_micro_batch_of_one_image_is_normalised_by_the_running_statistics(image_folder, tmp_path, log):
+    # 7 images in steps of 4 as 2 micro-batches: the last step's 3 images split 2 + 1. At 4x4 pixels the third stage's
+    # feature maps are 1x1, where BatchNorm cannot take one image's own statistics.
+    root = image_folder({"train": {"a": 4, "b": 3}, "val": {"a": 2, "b": 2}}, size=4)
+    train.main(["--recipe", "cls.yaml", f"data.name={root}", "data.img_size=4", "train.epochs=1", "train.batch_size=4",
+                "train.accumulate=2", "model.width=4", "data.workers=0", f"project={tmp_path}"])
+    assert "2 steps per epoch" in log.text and (tmp_path / "exp" / "weights" / "last.pt").is_file()
+    model = build_model(ModelConfig(width=4, depth=3), 2).train()
+    before = [layer.running_mean.clone() for layer in batchnorm_layers(model)]
+    with one_image_batchnorm(model, 1):
+        model(torch.rand(1, 3, 4, 4))
+    assert all(layer.training for layer in batchnorm_layers(model))
+    assert all(torch.equal(a, layer.running_mean) for a, layer in zip(before, batchnorm_layers(model)))
+
+
+def test_a_global_batch_larger_than_the_training_images_is_said(image_folder, tmp_path, log):
+    root = image_folder({"train": {"a": 3, "b": 3}, "val": {"a": 1, "b": 1}}, size=8)
+    train.main(["--recipe", "cls.yaml", f"data.name={root}", "train.epochs=1", "train.batch_size=16", "model.width=4",
+                "data.workers=0", f"project={tmp_path}"])
+    assert ("train.batch_size=16 is more than the epoch's 6 training images: each epoch is one step of them all"
+            in log.text)
 
 
 def test_single_process_with_channels_last_reaches_the_same_accuracy(tmp_path, monkeypatch, digits_run, log):

@@ -120,12 +120,12 @@ def find_resume_checkpoint(resume, project):
 
 
 def warn_of_a_rescheduled_lr(path, ckpt, epochs, lr):
-    """A run resumed with another train.epochs follows the schedule of the new length from where it is: say so
-    when that moves the lr (a shorter cosine lowers it at once, a longer one raises it). lr: the highest of the
+    """A run resumed with another train.epochs follows the schedule of the new length from where it is: rank 0 says
+    so when that moves the lr (a shorter cosine lowers it at once, a longer one raises it). lr: the highest of the
     groups' (a fine-tuned head's), as the schedule now sets it."""
     planned = ckpt["recipe"]["train"]["epochs"]
     saved_lr = max(group["lr"] for group in ckpt["optimizer"]["param_groups"])
-    if planned == epochs or math.isclose(lr, saved_lr, rel_tol=1e-6, abs_tol=1e-12):
+    if RANK != 0 or planned == epochs or math.isclose(lr, saved_lr, rel_tol=1e-6, abs_tol=1e-12):
         return
     change = f" ({lr / saved_lr - 1:+.0%})" if saved_lr else ""
     LOGGER.warning(f"{path}: train.epochs={epochs}, the run was planned for {planned}: from here the lr follows the "
@@ -189,9 +189,9 @@ def restore(state, path, ckpt, classes, epochs, train_images=None):
     state.thresholds = ckpt.get("thresholds")
     if RANK < len(ckpt["rng"]):
         set_rng_states(ckpt["rng"][RANK])
-    if train_images is not None and ckpt.get("train_images", train_images) != train_images:
+    if RANK == 0 and train_images is not None and ckpt.get("train_images", train_images) != train_images:
         LOGGER.warning(f"{path} was trained on {ckpt['train_images']} training images, the data now holds "
                        f"{train_images}: the order and the resumed epoch's remaining steps differ")
-    if len(ckpt["rng"]) != WORLD_SIZE:
+    if RANK == 0 and len(ckpt["rng"]) != WORLD_SIZE:
         LOGGER.warning(f"{path} was saved by {len(ckpt['rng'])} process(es), resumed by {WORLD_SIZE}: the data "
                        f"and steps are the same, but per-process random streams (dropout) start afresh")

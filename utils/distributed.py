@@ -29,6 +29,23 @@ FAILURE_POLL_S = 0.5  # how often each rank looks for another rank's failure in 
 # This launch attempt's name and store, the event that stops watch_failures, and the lock held by the one thread
 # (the main one, or watch_failures) that says how this process ends; set when the process group is joined.
 _job = {"token": None, "store": None, "stop": threading.Event(), "said": threading.Lock()}
+_when_failing = []  # what this process does before it ends on a failure (when_failing)
+
+
+def when_failing(action):
+    """Have action() run before this process ends on a failure, its own or another rank's (once, whichever thread
+    ends it)."""
+    _when_failing.append(action)
+
+
+def run_failure_actions():
+    """Run (and forget) the actions when_failing registered; one that fails is skipped: the process is ending on
+    the error it already has."""
+    while _when_failing:
+        try:
+            _when_failing.pop()()
+        except Exception:
+            pass
 
 
 def exit_on_error(script, error):
@@ -36,6 +53,7 @@ def exit_on_error(script, error):
     itself and its machine, unless rank 0 says the same (an error every rank meets is said once). Under torchrun the
     error is first recorded in the job's store, where every other rank finds it (watch_failures)."""
     line, store = error_line(error), _job["store"]
+    run_failure_actions()
     if store is not None:
         record_failure(store, line)
     own = f"{script}: error: {line}" if RANK == 0 else f"{script}: error: rank {RANK} on {HOST}: {line}"
@@ -57,6 +75,7 @@ def said_by_rank0(store, error, line):
 def stop_if_another_rank_failed(script):
     """After an unexpected error (a collective broken by a rank that left): if another rank recorded its failure,
     end this rank with code 2 and the line that names it, rather than a traceback of the broken collective."""
+    run_failure_actions()
     first = first_failure(_job["store"])
     if first is not None and first != RANK:
         say_stopped(script, first)
@@ -142,6 +161,7 @@ def watch_failures(script, store, stop):
             continue
         if first == RANK or stop.wait(FAILURE_GRACE_S) or _job["said"].locked():
             return
+        run_failure_actions()
         say_stopped(script, first)
         os._exit(2)
 

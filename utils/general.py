@@ -2,6 +2,7 @@
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -32,6 +33,21 @@ def set_logging(name="cls"):
 
 
 LOGGER = set_logging()
+
+
+def end_quietly_on_interrupt():
+    """Until training's StopVote takes the signal over: Ctrl-C (SIGINT) while this process starts (importing torch
+    takes seconds) ends it at once (end_on_interrupt), not with a KeyboardInterrupt traceback from every process."""
+    signal.signal(signal.SIGINT, end_on_interrupt)
+
+
+def end_on_interrupt(signum, frame=None):
+    """End this process on a stop signal that came before training started: code 128 + its number and one line on
+    each machine, as a later Ctrl-C is said (torchrun passes the signal on to every process)."""
+    if LOCAL_RANK == 0:
+        print(f"\n{signal.Signals(signum).name}: stopped while starting, before any training; nothing was saved",
+              file=sys.stderr, flush=True)
+    os._exit(128 + signum)  # not SystemExit: it would unwind a half-done import or collective, with errors of its own
 
 
 class UsageError(ValueError):

@@ -4,13 +4,14 @@ of the workers, and the commands printed for what comes next (resume, val, predi
 import glob
 import os
 import shlex
+import shutil
 import socket
 from pathlib import Path
 
 from utils.checkpoint import find_resume_checkpoint, load_training_checkpoint, run_dir_of
 from utils.config import Recipe, check_resumable, load_recipe, load_resumed_recipe, parse_overrides, recipe_to_yaml
 from utils.distributed import on_rank0
-from utils.general import (LOCAL_WORLD_SIZE, LOGGER, RESTART_COUNT, RUN_ID, WORLD_SIZE, SharedError, UsageError,
+from utils.general import (LOCAL_WORLD_SIZE, LOGGER, RANK, RESTART_COUNT, RUN_ID, WORLD_SIZE, SharedError, UsageError,
                            colorstr, increment_path, short_path)
 from utils.metrics import BEST_METRIC_NAMES
 
@@ -113,6 +114,13 @@ def make_run_dir(cfg):
                              f"{e}") from None
         return str(run_dir)
     return Path(on_rank0(claim))
+
+
+def remove_if_unsaved(run_dir):
+    """Rank 0, for a new run that fails: remove its directory unless it holds a checkpoint, so that a run which saved
+    nothing leaves nothing (no TensorBoard entry, no run for --resume to find)."""
+    if RANK == 0 and run_dir.is_dir() and not any((run_dir / "weights").glob("*.pt")):
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def resumed_run_dir(run_dir, cfg):

@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from utils.general import LOCAL_RANK, LOGGER, SharedError
+from utils.general import LOCAL_RANK, LOGGER, SharedError, end_on_interrupt
 from utils.metrics import BEST_METRIC_NAMES
 from utils.torch_utils import de_parallel
 
@@ -22,12 +22,14 @@ class StopVote:
 
     Use as a context manager around training: it catches SIGTERM and SIGINT, which then only ask for a stop. A
     second Ctrl-C more than a second after the first (torchrun passes the first one on as well) quits at once.
-    Entered before the process group is joined, it also holds a signal met during start-up for the first vote;
-    `device` (where the votes are combined) must then be set before it.
+    Entered before the process group is joined, it also holds a SIGTERM met during start-up for the first vote;
+    `device` (where the votes are combined) must then be set before it. A Ctrl-C before `started` (set as the run
+    directory is made) ends the process at once, with nothing to save (end_on_interrupt).
     """
 
     def __init__(self, device=None):
         self.device, self.signal, self.signal_time, self.pending, self.previous_handlers = device, None, 0.0, None, {}
+        self.started = False
 
     def __enter__(self):
         self.previous_handlers = {s: signal.signal(s, self.on_signal) for s in STOP_SIGNALS}
@@ -39,6 +41,8 @@ class StopVote:
 
     def on_signal(self, signum, frame):
         """Note the first stop signal; the training loop acts on it at the next step boundary."""
+        if signum == signal.SIGINT and not self.started:
+            end_on_interrupt(signum)
         if self.signal is None:
             self.signal, self.signal_time = signum, time.monotonic()
             if LOCAL_RANK == 0:  # torchrun passes a signal on to every rank: said once on each machine's console

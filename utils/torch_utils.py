@@ -2,7 +2,7 @@
 
 import inspect
 import re
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -73,8 +73,9 @@ def set_threads(workers="auto", feed="files", device_type="cpu", cores=None, pro
     compute threads; return (threads, workers, why) where why says how the workers were chosen.
 
     Each process gets cores // procs_per_machine cores; its workers take at most all but one, its compute threads
-    the rest, so the machine is never oversubscribed. data.workers=auto picks by what feeds the model, feed (see
-    auto_workers); a number asked for is lowered, with a warning, to what fits.
+    the rest, so the machine is never oversubscribed unless it has fewer cores than processes (why then says so).
+    data.workers=auto picks by what feeds the model, feed (see auto_workers); a number asked for is lowered, with a
+    warning on each machine, to what fits.
     """
     cores = cores or cpu_count()
     per_process = max(1, cores // procs_per_machine)
@@ -82,9 +83,12 @@ def set_threads(workers="auto", feed="files", device_type="cpu", cores=None, pro
         workers, why = auto_workers(per_process, feed, device_type)
     else:
         asked, workers, why = int(workers), min(int(workers), per_process - 1), "data.workers"
-        if workers < asked:
+        if workers < asked and LOCAL_RANK == 0:
             LOGGER.warning(f"data.workers={asked} lowered to {workers}: {cores} cores shared by "
                            f"{procs_per_machine} process(es) leave {per_process} per process, one of them for compute")
+    if procs_per_machine > cores:
+        why += (f"; oversubscribed: {procs_per_machine} processes share this machine's {cores} core"
+                f"{'s' * (cores != 1)}, each process a thread or more (use --nproc_per_node={cores} or fewer)")
     threads = max(1, per_process - workers)
     torch.set_num_threads(threads)
     return threads, workers, why
@@ -144,6 +148,28 @@ def sync_batchnorm(model, enabled, device):
         raise UsageError("model.sync_bn=true needs CUDA devices (SyncBatchNorm runs on GPUs only); on CPU use "
                          "model.norm=group for statistics that do not depend on the number of processes")
     return nn.SyncBatchNorm.convert_sync_batchnorm(model) if WORLD_SIZE > 1 else model
+
+
+def batchnorm_layers(model):
+    """model's BatchNorm layers (any dimension, SyncBatchNorm and timm's BatchNormAct2d included)."""
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+@contextmanager
+def one_image_batchnorm(model, images):
+    """Context for a training forward of `images` images: one image alone (an epoch's last, partial step can leave
+    a process one, or one per micro-batch) is normalised by the BatchNorm layers' running statistics, which it leaves
+    as they are. Its own statistics would be those of a single image, and an error where a feature map is 1x1.
+    SyncBatchNorm keeps its statistics over every process's micro-batch."""
+    layers = [m for m in batchnorm_layers(model) if m.training and not isinstance(m, nn.SyncBatchNorm)
+              ] if images == 1 else []
+    for layer in layers:
+        layer.eval()
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.train()
 
 
 def model_ema(model, decay, steps, global_batch, epochs):
