@@ -64,8 +64,8 @@ def export(args):
         raise UsageError(f"--batch-size {args.batch_size}: must be >= 1")
     if "onnx" in args.format:
         check_onnx_packages()
-    weights = Path(args.weights)
-    ckpt = load_model_checkpoint(weights)
+    ckpt = load_model_checkpoint(args.weights)
+    weights = Path(ckpt["path"])  # a run directory's weights/best.pt
     cfg, classes = checkpoint_recipe(ckpt["recipe"], weights), ckpt["classes"]
     model = model_from_checkpoint(ckpt, cfg, weights)
     metadata = {"classes": list(classes), **preprocessing(cfg.data), "model": cfg.model.name,

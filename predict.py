@@ -14,6 +14,7 @@ import argparse
 import csv
 import glob
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -60,12 +61,19 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    """Predict; bad input exits with code 2 and one line."""
+    """Predict; bad input exits with code 2 and one line; no readable image among those found, with code 1 and one
+    line, after saving the results (the list of what was skipped and why)."""
     args = parse_args(argv)
     try:
-        return predict(args)
+        rows, skipped = predict(args)
     except UsageError as e:
         exit_on_error("predict.py", e)
+    if skipped and not rows:  # not a usage error (2): the images were found, and the skipped are saved
+        if RANK == 0:
+            print(f"predict.py: error: none of the {len(skipped)} image(s) of --source {args.source} could be read "
+                  f"(each is named above); nothing was classified", file=sys.stderr)
+        sys.exit(1)
+    return rows, skipped
 
 
 class ImageFiles(Dataset):
@@ -96,6 +104,8 @@ def list_images(source):
     path = Path(source)
     if path.is_file():
         return [path]
+    if not path.exists() and not glob.has_magic(source):
+        raise UsageError(f"--source {source}: no such file or folder")
     if path.is_dir():
         files = (p for p in path.rglob("*") if p.suffix.lower() in IMG_EXTENSIONS and p.is_file())
     else:
@@ -112,6 +122,7 @@ def predict(args):
     if args.topk < 1 or args.batch_size < 1 or args.workers < 0:
         raise UsageError("--topk and --batch-size must be >= 1 and --workers >= 0")
     ckpt = load_model_checkpoint(args.weights)
+    args.weights = ckpt["path"]  # a run directory's weights/best.pt
     cfg, classes = checkpoint_recipe(ckpt["recipe"], args.weights), ckpt["classes"]
     threshold, _ = chosen_thresholds(args.threshold, ckpt, cfg, args.weights)  # multi-label only
     device = select_device(args.device, key="--device")

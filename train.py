@@ -38,7 +38,7 @@ from data.transforms import crop_spec, normalizer, val_size
 from models import build_model, check_batch_for_batchnorm, check_input_size, check_model_name, start_from
 from models.pretrained import fine_tuning, follow_weights, freeze_batchnorm
 from utils.checkpoint import restore, save_state
-from utils.config import Recipe, best_metric
+from utils.config import Recipe, RecipeError, best_metric, flag_as_key, keys_help
 from utils.distributed import (cleanup_distributed, exit_on_error, keep_ranks_in_step, setup_distributed,
                                stop_if_another_rank_failed, when_failing)
 from utils.general import LOGGER, RANK, WORLD_SIZE, SharedError, UsageError, colorstr
@@ -98,14 +98,21 @@ class Loop:
 
 
 def parse_args(argv=None):
-    """--recipe NAME or --resume [PATH], and key=value overrides."""
-    parser = argparse.ArgumentParser(description="Train an image classifier from a recipe.")
+    """--recipe NAME or --resume [PATH], and key=value overrides; a --flag that names a recipe key (--epochs 3) is
+    refused with the key=value that sets it."""
+    parser = argparse.ArgumentParser(description="Train an image classifier from a recipe.", epilog=keys_help(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", help="recipe path, or a name in recipes/ (default: cls.yaml)")
     parser.add_argument("--resume", nargs="?", const="", metavar="PATH",
                         help="continue a run exactly: a checkpoint, a run directory, or (no PATH) the newest run "
                              "under project; the recipe comes from the checkpoint")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. optim.lr=0.05")
-    args = parser.parse_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    args, unknown = parser.parse_known_args(words)
+    if hint := flag_as_key(words, unknown):
+        raise RecipeError(hint)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.resume and "=" in args.resume and not Path(args.resume).exists():  # `--resume key=value`: no PATH
         args.overrides.insert(0, args.resume)
         args.resume = ""
@@ -116,11 +123,11 @@ def parse_args(argv=None):
 def main(argv=None):
     """Join the process group, settle the recipe and checkpoint, train and return the best val score; bad input
     exits with code 2 and one line, a stop signal with 128 + its number after saving."""
-    args = parse_args(argv)
-    # Stop signals are caught from here on: a SIGTERM that arrives while the ranks set up stops the run after its
-    # first step, where the default action would kill this rank and leave the others failing at a collective; a
-    # Ctrl-C before the run directory is made ends every rank at once (torchrun passes it to each), nothing saved.
     try:
+        args = parse_args(argv)
+        # Stop signals are caught from here on: a SIGTERM that arrives while the ranks set up stops the run after its
+        # first step, where the default action would kill this rank and leave the others failing at a collective; a
+        # Ctrl-C before the run directory is made ends every rank at once (torchrun passes it to each), nothing saved.
         with StopVote() as vote:
             setup_distributed()
             try:

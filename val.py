@@ -80,6 +80,7 @@ def main(argv=None):
 def validate(args):
     """Evaluate the checkpoint on the split; rank 0 prints and saves the results. Returns the metrics."""
     ckpt = on_rank0(load_model_checkpoint, args.weights)  # read once, shared: other machines need no copy
+    args.weights = ckpt["path"]  # a run directory's weights/best.pt
     cfg, classes = checkpoint_recipe(ckpt["recipe"], args.weights), ckpt["classes"]
     threshold, threshold_from = chosen_thresholds(args.threshold, ckpt, cfg, args.weights)  # multi-label only
     device = select_device(args.device, key="--device")

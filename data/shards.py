@@ -43,11 +43,14 @@ from data.jpeg_cache import jpeg_bytes
 from data.layouts import HoldOut
 from data.shard_sets import INDEX_KIND, KIND, TOP
 from data.verify import UNREADABLE, decode, unreadable_reason
-from utils.general import DatasetError, UsageError, cpu_count, short_path
+from utils.distributed import exit_on_error
+from utils.general import DatasetError, UsageError, cpu_count, error_line, in_flags, short_path
 
 # The formats validation images are stored in as they are, by the extension the reader knows them by (IMAGE_EXTENSIONS)
 EXTENSIONS = {"JPEG": ".jpg", "MPO": ".jpg", "PNG": ".png", "WEBP": ".webp", "BMP": ".bmp", "PPM": ".ppm",
               "TIFF": ".tif"}
+# The recipe keys the data code's messages name (written for train.py), as this command sets them.
+FLAGS = {"data.name": "src", "data.val_split": "--val-split", "data.csv_allow_outside": "--csv-allow-outside"}
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -128,7 +131,7 @@ def write_split(samples, folder, name, train, shard_size, max_side):
             return stored(path, train, max_side), label
         except (*UNREADABLE, OSError) as e:
             raise DatasetError(f"{path}: unreadable image ({unreadable_reason(e) if isinstance(e, UNREADABLE) else e})"
-                               f"; remove it, or check every image with data.skip_corrupt first") from None
+                               f"; remove it (or replace it) and write the set again") from None
 
     with ThreadPoolExecutor(cpu_count()) as pool:  # PIL decodes and encodes without the GIL
         for ((data, ext, size), label) in tqdm(in_order(pool, load, samples, 4 * cpu_count()), total=len(samples),
@@ -225,11 +228,12 @@ def write_shard_set(args):
 
 
 def main(argv=None):
+    """Write the shard set; bad input exits with code 2 and one line, in this command's flags."""
     args = parse_args(argv)
     try:
         counts = write_shard_set(args)
     except UsageError as e:
-        sys.exit(f"python -m data.shards: error: {e}")
+        exit_on_error("python -m data.shards", UsageError(in_flags(error_line(e), FLAGS)))
     (train, train_shards), (val, val_shards) = counts["train"], counts["val"]
     print(f"{short_path(args.out)}: {train} train images in {train_shards} shard(s), {val} val images in "
           f"{val_shards} shard(s); train on it with data.name={short_path(args.out)}")

@@ -1,5 +1,7 @@
 """Recipes: the schema's defaults, base recipes, overrides, and an error naming key and file for each mistake."""
 
+import re
+
 import pytest
 import yaml
 from omegaconf import OmegaConf
@@ -51,12 +53,62 @@ def test_unknown_key_in_file_names_key_suggestion_and_file(tmp_path):
 
 
 def test_unknown_override_names_key_and_command_line():
-    with pytest.raises(RecipeError, match=r"command line: unknown key 'optim.lrr' \(did you mean 'optim.lr'\?\)"):
+    with pytest.raises(RecipeError, match=r"^command line: unknown key 'optim.lrr' \(did you mean optim.lr=0.1\?\)$"):
         load_recipe("cls.yaml", ["optim.lrr=0.1"])
 
 
+@pytest.mark.parametrize("override, meant", [("epochs=3", "train.epochs=3"), ("lr=0.05", "optim.lr=0.05"),
+                                             ("batch_size=8", "train.batch_size=8"), ("data.epochs=3", "train.epochs=3"),
+                                             ("optimizer.lr=0.05", "optim.lr=0.05"), ("epoch=3", "train.epochs=3"),
+                                             ("train.epoch=3", "train.epochs=3"), ("data.scal=[0.5,1.0]",
+                                                                                 "data.scale=[0.5,1.0]")])
+def test_an_unknown_key_suggests_the_full_key_it_likely_means_with_its_value(override, meant):
+    unknown = override.split("=")[0]
+    with pytest.raises(RecipeError, match=rf"^command line: unknown key '{unknown}' \(did you mean "
+                                          rf"{re.escape(meant)}\?\)$"):
+        load_recipe("cls.yaml", [override])
+
+
+def test_an_unknown_key_like_no_other_points_to_the_key_table(tmp_path):
+    with pytest.raises(RecipeError, match=r"^command line: unknown key 'colour' \(every key is in docs/recipes.md\)$"):
+        load_recipe("cls.yaml", ["colour=red"])
+    path = write(tmp_path / "r.yaml", {"epochs": 3})  # in a file: the key to write, not a key=value
+    with pytest.raises(RecipeError, match=rf"^{re.escape(str(path))}: unknown key 'epochs' \(did you mean "
+                                          rf"'train.epochs'\?\)$"):
+        load_recipe(str(path))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.scale=0.5", "data.scale must be a list of two numbers like data.scale=[0.08,1.0], got 0.5"),
+    ("data.scale=[a,b]", "data.scale must be a list of two numbers like data.scale=[0.08,1.0], got ['a', 'b']"),
+    ("data.scale=[0.5,1", "data.scale must be a list of two numbers like data.scale=[0.08,1.0], got '[0.5,1', "
+                          "which does not parse as YAML (while parsing a flow sequence)"),
+    ("data.mean=0.5", "data.mean must be a list of three numbers like data.mean=[0.485,0.456,0.406], got 0.5"),
+    ("sched.milestones=30", "sched.milestones must be a list of numbers like sched.milestones=[30.0,60.0,90.0], "
+                            "got 30"),
+    ("train.epochs=ten", "train.epochs must be a whole number like train.epochs=10, got 'ten'"),
+    ("train.epochs=2.5", "train.epochs must be a whole number like train.epochs=10, got 2.5"),
+    ("optim.lr=fast", "optim.lr must be a number like optim.lr=0.1, got 'fast'"),
+    ("train.compile=maybe", "train.compile must be true or false like train.compile=false, got 'maybe'"),
+    ("model.name=[a]", "model.name must be text like model.name=resnet18, got ['a']"),
+    ("optim=3", "optim is a section, not a value: set its keys one by one, like optim.name=sgd; got 3"),
+])
+def test_a_value_of_the_wrong_type_names_the_key_what_it_takes_and_the_command_line(override, message):
+    with pytest.raises(RecipeError) as e:
+        load_recipe("cls.yaml", [override])
+    assert str(e.value) == f"command line: {message}"
+
+
+def test_a_value_of_the_wrong_type_in_a_file_names_the_file(tmp_path):
+    path = write(tmp_path / "r.yaml", {"data": {"scale": {"min": 0.5}}})
+    with pytest.raises(RecipeError) as e:
+        load_recipe(str(path))
+    assert str(e.value) == f"{path}: data.scale must be a list of two numbers like data.scale=[0.08,1.0], got " \
+                           f"{{'min': 0.5}}"
+
+
 def test_unknown_section_is_rejected(tmp_path):
-    with pytest.raises(RecipeError, match="unknown key 'optimizer'"):
+    with pytest.raises(RecipeError, match=r"r.yaml: unknown key 'optimizer.lr' \(did you mean 'optim.lr'\?\)$"):
         load_recipe(str(write(tmp_path / "r.yaml", {"optimizer": {"lr": 0.1}})))
 
 
@@ -181,7 +233,9 @@ def test_ddp_options_are_checked():
     checked = r"cls.yaml \(with command-line overrides\): "  # values are checked after the merge, types during it
     for override, message in {"ddp.comm_hook=int8": checked + "ddp.comm_hook must be none, bf16, fp16, got 'int8'",
                               "ddp.bucket_cap_mb=0": checked + "ddp.bucket_cap_mb must be > 0",
-                              "ddp.gradient_as_bucket_view=maybe": "command line: 'ddp.gradient_as_bucket_view'",
+                              "ddp.gradient_as_bucket_view=maybe": "command line: ddp.gradient_as_bucket_view must be "
+                                                                   "true or false like ddp.gradient_as_bucket_view=false, "
+                                                                   "got 'maybe'",
                               }.items():
         with pytest.raises(RecipeError, match=message):
             load_recipe("cls.yaml", [override])
@@ -232,5 +286,31 @@ def test_every_spelling_of_off_turns_an_optional_string_off(spelling, tmp_path):
 def test_off_spellings_leave_other_strings_and_values_alone():
     cfg = load_recipe("cls.yaml", ["data.cache=none", "model.weights=None.pt"])
     assert (cfg.data.cache, cfg.model.weights) == ("none", "None.pt")
-    with pytest.raises(RecipeError, match="'data.name': Incompatible value 'None'"):
+    with pytest.raises(RecipeError, match="^command line: data.name must be text like data.name=digits, got nothing$"):
         load_recipe("cls.yaml", ["data.name="])  # not optional: no default of ''
+
+
+@pytest.mark.parametrize("words, line", [
+    (["--epochs", "3"], "--epochs 3: recipe keys are set as key=value: train.epochs=3"),
+    (["--epochs=3"], "--epochs=3: recipe keys are set as key=value: train.epochs=3"),
+    (["--recipe", "cls.yaml", "--batch-size", "64", "optim.lr=0.1"],
+     "--batch-size 64: recipe keys are set as key=value: train.batch_size=64"),
+    (["--compile"], "--compile: recipe keys are set as key=value: train.compile=true"),
+])
+def test_a_flag_that_names_a_recipe_key_says_how_keys_are_set(words, line, capfd):
+    import train
+    with pytest.raises(SystemExit) as e:
+        train.main(words)
+    assert e.value.code == 2 and capfd.readouterr().err == f"train.py: error: {line}\n"
+
+
+def test_train_help_says_how_keys_are_set_where_they_are_described_and_lists_them(capfd):
+    import train
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(["--help"])
+    out = capfd.readouterr().out
+    words = " ".join(out.split())
+    assert e.value.code == 0
+    assert "recipe keys: set any key as key=value after the options" in words
+    assert "are in docs/recipes.md (python -m utils.config prints them)" in words
+    assert "\n  train: epochs, batch_size, accumulate," in out and "\n  top level: device, seed, project, name" in out

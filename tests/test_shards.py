@@ -120,15 +120,40 @@ def test_the_writer_leaves_nothing_behind_when_an_image_is_unreadable_and_never_
     (data / "train" / "a" / "1.png").write_bytes(b"not an image")
     png_file(data / "val" / "a" / "0.png")
     result = run_python("-m", "data.shards", data, tmp_path / "out")
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1].startswith(f"python -m data.shards: error: {data}/train/a/1.png: "
-                                                            f"unreadable image")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (f"python -m data.shards: error: {data}/train/a/1.png: unreadable "
+                                                      f"image (not an image format PIL can identify); remove it (or "
+                                                      f"replace it) and write the set again")
     assert list(tmp_path.iterdir()) == [data]  # no OUT, no temporary folder
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
     result = run_python("-m", "data.shards", data, tmp_path / "out")
-    assert result.returncode == 1 and "already exists" in result.stderr
+    assert result.returncode == 2 and "already exists" in result.stderr
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("layout, flags, line", [
+    ({"a": 1, "b": 1}, [], "{src}: no train/ folder or train.csv; if its folders are the classes, set --val-split (e.g. "
+                           "--val-split 0.2) to hold out that share of each class for val"),
+    ({"train/a": 1, "val/a": 1}, ["--val-split", "0.2"], "--val-split 0.2: {src} has its own split (train/, val/); set "
+                                                         "--val-split 0, or name a folder of class folders only"),
+    ({"train/a": 1}, [], "{src}: no val/, valid/ or test/ folder; an ImageFolder root holds train/<class>/* and "
+                         "val/<class>/* (or valid/, test/); or hold out part of train/: {src}/train --val-split 0.2"),
+    ({}, [], "src '{src}/none' is neither a dataset here (digits, multidigits, cifar10, cifar100) nor a directory; give "
+             "the path of a dataset root holding train/<class>/* and val/<class>/*, train.csv and val.csv, or class "
+             "folders (nothing is downloaded)"),
+])
+def test_the_writers_errors_name_its_own_flags_and_exit_2(layout, flags, line, tmp_path, capfd):
+    from data import shards
+    src = tmp_path / "data"
+    for folder, count in layout.items():
+        for i in range(count):
+            png_file(src / folder / f"{i}.png")
+    with pytest.raises(SystemExit) as exit_:
+        shards.main([str(src / "none" if not layout else src), str(tmp_path / "out"), *flags])
+    assert exit_.value.code == 2
+    assert capfd.readouterr().err == f"python -m data.shards: error: {line.format(src=src)}\n"
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_run_over_http_stopped_mid_epoch_resumes_bit_identically_and_val_py_reproduces_it(shard_set, tmp_path):

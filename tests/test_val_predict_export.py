@@ -14,11 +14,11 @@ from PIL import Image
 import export
 import predict
 import val
-from conftest import read_results, run_torchrun
+from conftest import ROOT, read_results, run_torchrun
 from data.datasets import build_datasets, dataset_root
 from data.transforms import normalizer, val_transforms
 from models import model_from_checkpoint
-from utils.checkpoint import load_model_checkpoint
+from utils.checkpoint import load_checkpoint, load_model_checkpoint
 from utils.config import checkpoint_recipe
 from utils.general import DATASETS_DIR
 
@@ -222,3 +222,72 @@ def test_val_refuses_a_batch_size_below_one(best, tmp_path, capfd):
     with pytest.raises(SystemExit) as exit_:
         val.main(["--weights", str(best[0]), "--batch-size", "0", "--project", str(tmp_path)])
     assert exit_.value.code == 2 and "--batch-size 0: must be >= 1" in capfd.readouterr().err
+
+
+def not_checkpoints(folder):
+    """{file: what the one line says it is} for files that torch.save did not write."""
+    (folder / "model.onnx").write_bytes(b"\x08\x08\x12\x07pytorch\x1a\x052.6.0")  # ONNX: a protobuf
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), folder / "best.torchscript")
+    return {ROOT / "README.md": "it is text", sorted((VAL_DIR / "0").iterdir())[0]: "it is an image",
+            folder / "model.onnx": "it is an ONNX model, as export.py writes; give the .pt file it was exported from",
+            folder / "best.torchscript": "it is a TorchScript model, as export.py writes; give the .pt file it was "
+                                         "exported from"}
+
+
+def test_a_file_that_is_not_a_checkpoint_is_called_so_by_val_predict_and_export(tmp_path, capfd):
+    for path, kind in not_checkpoints(tmp_path).items():
+        for script, main, extra in (("val.py", val.main, []), ("predict.py", predict.main, ["--source", str(VAL_DIR)]),
+                                    ("export.py", export.main, [])):
+            with pytest.raises(SystemExit) as exit_:
+                main(["--weights", str(path), *extra])
+            assert exit_.value.code == 2
+            assert capfd.readouterr().err == f"{script}: error: {path} is not a checkpoint ({kind})\n"
+
+
+def test_a_checkpoint_in_torchs_older_format_still_loads(tmp_path):
+    torch.save({"epoch": 1}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)  # a pickle, not a zip
+    assert load_checkpoint(tmp_path / "old.pt") == {"epoch": 1}
+
+
+def test_a_run_directory_given_as_weights_means_its_best_pt_else_its_last_pt(best, tmp_path, log, capfd):
+    weights, _ = best
+    run_dir = tmp_path / "exp"
+    (run_dir / "weights").mkdir(parents=True)
+    shutil.copy(weights, run_dir / "weights" / "best.pt")
+    image = sorted((VAL_DIR / "3").iterdir())[0]
+    rows, _ = predict.main(["--weights", str(run_dir), "--source", str(image), "--project", str(tmp_path / "p")])
+    assert f"{run_dir} is a run directory: using {run_dir / 'weights' / 'best.pt'}\n" in log.text
+    assert rows[0]["file"] == str(image)
+    assert json.loads((tmp_path / "p" / "exp" / "predictions.json").read_text())["weights"] == \
+        str(run_dir / "weights" / "best.pt")
+    (run_dir / "weights" / "best.pt").rename(run_dir / "weights" / "last.pt")
+    assert load_model_checkpoint(run_dir)["path"] == str(run_dir / "weights" / "last.pt")
+    (run_dir / "weights" / "last.pt").unlink()
+    with pytest.raises(SystemExit) as exit_:
+        val.main(["--weights", str(run_dir)])
+    assert exit_.value.code == 2 and capfd.readouterr().err == (
+        f"val.py: error: {run_dir}: a directory without weights/best.pt or weights/last.pt; give a checkpoint file "
+        f"or a run directory\n")
+
+
+def test_predict_exits_1_with_one_line_when_no_image_could_be_read(best, tmp_path, capfd):
+    weights, _ = best
+    source = tmp_path / "photos"
+    source.mkdir()
+    for name in ("a.png", "b.jpg"):
+        (source / name).write_bytes(b"not an image")
+    with pytest.raises(SystemExit) as exit_:
+        predict.main(["--weights", str(weights), "--source", str(source), "--project", str(tmp_path / "p")])
+    assert exit_.value.code == 1
+    assert capfd.readouterr().err.splitlines()[-1] == (f"predict.py: error: none of the 2 image(s) of --source "
+                                                       f"{source} could be read (each is named above); nothing was "
+                                                       f"classified")
+    assert len(json.loads((tmp_path / "p" / "exp" / "predictions.json").read_text())["skipped"]) == 2
+
+
+def test_predict_names_a_source_that_does_not_exist(best, tmp_path, capfd):
+    weights, _ = best
+    with pytest.raises(SystemExit) as exit_:
+        predict.main(["--weights", str(weights), "--source", str(tmp_path / "nonexistent")])
+    assert exit_.value.code == 2
+    assert capfd.readouterr().err == f"predict.py: error: --source {tmp_path / 'nonexistent'}: no such file or folder\n"

@@ -4,6 +4,7 @@ a training run's state saved into one and restored from it."""
 import math
 import os
 import pickle
+import zipfile
 from pathlib import Path
 
 import torch
@@ -50,6 +51,9 @@ def load_checkpoint(path, device="cpu"):
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"checkpoint {path} does not exist")
+    kind = not_a_checkpoint(path)
+    if kind:
+        raise UsageError(f"{path} is not a checkpoint ({kind})")
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError as e:
@@ -59,6 +63,35 @@ def load_checkpoint(path, device="cpu"):
                          f"it could run code (torch.load with weights_only=True: {reason})") from None
     except (RuntimeError, EOFError, OSError) as e:
         raise UsageError(f"{path}: not a readable checkpoint ({str(e).strip().splitlines()[0]})") from None
+
+
+IMAGE_STARTS = (b"\x89PNG", b"\xff\xd8\xff", b"GIF8", b"RIFF", b"BM", b"II*\x00", b"MM\x00*")  # PNG ... TIFF
+
+
+def not_a_checkpoint(path):
+    """What a file is, in a few words, when torch.save did not write it (it writes a zip archive holding data.pkl,
+    or before torch 1.6 a pickle), else None: read from its first bytes, before torch.load would call text or an
+    image a pickle that could run code."""
+    with open(path, "rb") as f:
+        head = f.read(512)
+    if head.startswith(b"PK\x03\x04"):
+        try:
+            names = zipfile.ZipFile(path).namelist()
+        except (zipfile.BadZipFile, OSError):
+            return "it is a damaged zip archive"
+        if any(name.endswith("/constants.pkl") for name in names):
+            return "it is a TorchScript model, as export.py writes; give the .pt file it was exported from"
+        torch_saved = any(name.endswith("data.pkl") for name in names)
+        return None if torch_saved else "it is a zip archive torch.save did not write"
+    if head.startswith(b"\x80"):  # a pickle (protocol 2 or later): torch.load with weights_only decides
+        return None
+    if not head:
+        return "it is empty"
+    if path.suffix.lower() == ".onnx":
+        return "it is an ONNX model, as export.py writes; give the .pt file it was exported from"
+    if head.startswith(IMAGE_STARTS):
+        return "it is an image"
+    return "it is text" if b"\x00" not in head else "its first bytes are not those of a file torch.save writes"
 
 
 def load_training_checkpoint(path, device="cpu"):
@@ -74,13 +107,36 @@ def load_training_checkpoint(path, device="cpu"):
 def load_model_checkpoint(path, device="cpu"):
     """What evaluating or exporting a checkpoint needs: its weights, class names and recipe, and where in the run
     it was saved (epoch and step; None if unknown) and a multi-label model's per-class thresholds (None for a
-    single-label one), else a clear error. The optimizer state is left out."""
+    single-label one), else a clear error. The optimizer state is left out. path may be a run directory: its
+    weights/best.pt, else last.pt, is loaded, as 'path' says."""
+    path = model_checkpoint_path(path)
     ckpt = load_checkpoint(path, device)
     missing = [k for k in ("model", "classes", "recipe") if not isinstance(ckpt, dict) or k not in ckpt]
     if missing:
         raise UsageError(f"{path}: not a checkpoint of train.py (missing {', '.join(missing)}); use a run's "
                          f"weights/best.pt or weights/last.pt")
-    return {key: ckpt.get(key) for key in ("model", "classes", "recipe", "epoch", "step", "thresholds")}
+    return {"path": str(path), **{key: ckpt.get(key) for key in ("model", "classes", "recipe", "epoch", "step",
+                                                                  "thresholds")}}
+
+
+def model_checkpoint_path(path):
+    """The checkpoint a model is read from: path, or for a run directory its weights/best.pt, else its last.pt
+    (said)."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    found = checkpoint_in(path, ("best.pt", "last.pt"))
+    if found is None:
+        raise UsageError(f"{path}: a directory without weights/best.pt or weights/last.pt; give a checkpoint file "
+                         f"or a run directory")
+    LOGGER.info(f"{path} is a run directory: using {found}")
+    return found
+
+
+def checkpoint_in(run_dir, names):
+    """The first of run_dir/weights/NAME and run_dir/NAME, for each of names in turn, that is a file; else None."""
+    return next((path for name in names for path in (run_dir / "weights" / name, run_dir / name) if path.is_file()),
+                None)
 
 
 def state_dict_mismatch(error):
@@ -110,10 +166,10 @@ def find_resume_checkpoint(resume, project):
         return candidates[-1]
     path = Path(resume)
     if path.is_dir():
-        for candidate in (path / "weights" / "last.pt", path / "last.pt"):
-            if candidate.is_file():
-                return candidate
-        raise UsageError(f"--resume {resume}: no weights/last.pt in this directory")
+        last = checkpoint_in(path, ("last.pt",))
+        if last is None:
+            raise UsageError(f"--resume {resume}: no weights/last.pt in this directory")
+        return last
     if not path.exists():
         raise UsageError(f"--resume {resume}: no such checkpoint file or run directory")
     return path

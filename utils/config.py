@@ -4,6 +4,7 @@ import difflib
 import inspect
 import json
 import re
+import textwrap
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from utils.general import ROOT, WORLD_SIZE, SharedError
 
 RECIPES_DIR = ROOT / "recipes"
+COMMAND_LINE = "command line"  # the source of key=value overrides, as errors name it
 SCHEDULES = ("cosine", "step", "multistep", "constant")  # sched.name: the lr's shape after warmup
 COMM_HOOKS = ("none", "bf16", "fp16")  # ddp.comm_hook: the dtype gradients are all-reduced in (none: as they are)
 AUTO_AUGMENTS = ("", "autoaugment", "autoaugment_cifar10", "randaugment", "trivialaugment", "augmix")
@@ -261,25 +263,132 @@ def spelled_off(layer, prefix=""):
 
 
 def merge_layer(cfg, layer, source):
-    """Merge one layer onto the typed config, turning OmegaConf errors into messages that name key and source."""
+    """Merge one layer onto the typed config, with errors that name the key, what it takes and the source."""
     if isinstance(layer, DictConfig):
         layer = OmegaConf.to_container(layer)
+    layer = spelled_off(layer)
+    check_keys(layer, source)
     try:
-        return OmegaConf.merge(cfg, spelled_off(layer))
-    except ConfigKeyError as e:
-        raise RecipeError(f"{source}: unknown key '{e.full_key}'{suggest(e)}") from None
+        return OmegaConf.merge(cfg, layer)
     except OmegaConfBaseException as e:
-        key = f"'{e.full_key}': " if getattr(e, "full_key", None) else ""
-        raise RecipeError(f"{source}: {key}{str(e).splitlines()[0]}") from None
+        key = re.sub(r"\[\d+\]$", "", getattr(e, "full_key", None) or "")  # data.scale[0]: the list is data.scale
+        if key in schema_leaves():
+            raise RecipeError(f"{source}: {key} must be {expected(key)}, got {shown(given(layer, key))}") from None
+        raise RecipeError(f"{source}: {f'{key}: ' if key else ''}{str(e).splitlines()[0]}") from None
 
 
-def suggest(error):
-    """' (did you mean 'optim.lr'?)' for the valid key closest to the unknown one, else ''."""
-    parent = error.parent_node if isinstance(error.parent_node, DictConfig) else None
-    valid = [str(k) for k in parent.keys()] if parent is not None else []
-    match = difflib.get_close_matches(str(error.key), valid, n=1, cutoff=0.5)
-    prefix = error.full_key.rpartition(".")[0]
-    return f" (did you mean '{prefix + '.' if prefix else ''}{match[0]}'?)" if match else ""
+def schema_leaves(cls=Recipe, prefix=""):
+    """{dotted key: (type, default)} of every key of the schema that holds a value, in the schema's order."""
+    leaves = {}
+    for f in fields(cls):
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        if is_dataclass(default):
+            leaves.update(schema_leaves(type(default), f"{prefix}{f.name}."))
+        else:
+            leaves[f"{prefix}{f.name}"] = (f.type, default)
+    return leaves
+
+
+SECTIONS = {f.name: type(f.default_factory()) for f in fields(Recipe) if callable(f.default_factory)}
+LIST_LENGTHS = {"data.scale": 2, "data.mean": 3, "data.std": 3}  # the lists check_data_values takes at one length
+TYPE_WORDS = {bool: "true or false", int: "a whole number", float: "a number", str: "text"}
+
+
+def as_override(value):
+    """A value as key=value writes it on the command line: [0.5,1.0], true, resnet18."""
+    if isinstance(value, (list, tuple)):
+        return f"[{','.join(as_override(v) for v in value)}]"
+    return str(value).lower() if isinstance(value, bool) else "" if value is None else str(value)
+
+
+def expected(key):
+    """What a schema key takes, in words with an example: 'a list of two numbers like data.scale=[0.08,1.0]'."""
+    kind, default = schema_leaves()[key]
+    if isinstance(default, list):
+        count = {2: "two ", 3: "three "}.get(LIST_LENGTHS.get(key), "")
+        words = f"a list of {count}numbers"
+    else:
+        words = TYPE_WORDS[kind]
+    return f"{words} like {key}={as_override(default)}" if default != "" else words
+
+
+def shown(value):
+    """A value given for a key, as an error message quotes it."""
+    return "nothing" if value is None else repr(value)
+
+
+def given(layer, key):
+    """The value a layer (nested dicts) gives a dotted key, None where it gives none."""
+    for name in key.split("."):
+        layer = layer.get(name) if isinstance(layer, dict) else None
+    return layer
+
+
+def check_keys(layer, source):
+    """Refuse a layer's unknown keys, with the key meant where one is near (on the command line with its value:
+    epochs=3 -> train.epochs=3), and a section given a value (optim=3)."""
+    leaves = schema_leaves()
+    for key in flat_keys(layer):
+        if key in SECTIONS:
+            first = next(k for k in leaves if k.startswith(f"{key}."))
+            raise RecipeError(f"{source}: {key} is a section, not a value: set its keys one by one, like "
+                              f"{first}={as_override(leaves[first][1])}; got {shown(given(layer, key))}")
+        if key in leaves:
+            continue
+        leaf = next((leaf for leaf in leaves if key.startswith(f"{leaf}.")), None)
+        if leaf is not None:  # a leaf given a mapping
+            raise RecipeError(f"{source}: {leaf} must be {expected(leaf)}, got {shown(given(layer, leaf))}")
+        meant = closest_key(key)
+        if meant is None:
+            raise RecipeError(f"{source}: unknown key '{key}' (every key is in docs/recipes.md)")
+        spelled = f"{meant}={as_override(given(layer, key))}" if source == COMMAND_LINE else f"'{meant}'"
+        raise RecipeError(f"{source}: unknown key '{key}' (did you mean {spelled}?)")
+
+
+def closest_key(name):
+    """The schema key a mistyped or unqualified one means, or None: the key itself; a key whose last part it is
+    (epochs -> train.epochs; of several, the most alike); a near miss of the whole key (optim.lrr -> optim.lr), then
+    of its last part (epoch -> train.epochs)."""
+    leaves = list(schema_leaves())
+    last = name.rpartition(".")[2]
+    same_last = [key for key in leaves if key.rpartition(".")[2] == last]
+    if name in leaves or same_last:
+        return name if name in leaves else max(same_last, key=lambda k: difflib.SequenceMatcher(None, name, k).ratio())
+    near = difflib.get_close_matches(name, leaves, n=1)
+    if near:
+        return near[0]
+    near = difflib.get_close_matches(last, [key.rpartition(".")[2] for key in leaves], n=1)
+    return next(key for key in leaves if key.rpartition(".")[2] == near[0]) if near else None
+
+
+def flag_as_key(words, flags):
+    """'--epochs 3: recipe keys are set as key=value: train.epochs=3' for the first of flags (a command line's
+    unrecognised words) that names a recipe key, as yolov5's --epochs and --batch-size do, else None. words: the
+    whole command line, where a flag's value may follow it."""
+    for i, word in enumerate(words):
+        flag, _, value = word.partition("=")
+        key = closest_key(flag[2:].replace("-", "_")) if word in flags and flag.startswith("--") else None
+        if key is None:
+            continue
+        if not value and i + 1 < len(words) and not words[i + 1].startswith("-") and "=" not in words[i + 1]:
+            value, word = words[i + 1], f"{word} {words[i + 1]}"
+        value = value or ("true" if schema_leaves()[key][0] is bool else "VALUE")
+        return f"{word}: recipe keys are set as key=value: {key}={value}"
+    return None
+
+
+def keys_help(width=80):
+    """The --help text on recipe keys: how they are set, where they are described, and each section's keys."""
+    sections = {}
+    for key in schema_leaves():
+        section, _, name = key.rpartition(".")
+        sections.setdefault(section or "top level", []).append(name)
+    lines = textwrap.wrap("recipe keys: set any key as key=value after the options, over the recipe's value (e.g. "
+                          "train.epochs=3 optim.lr=0.05 data.scale=[0.5,1.0]); each key's type, default and meaning "
+                          "are in docs/recipes.md (python -m utils.config prints them). The keys:", width)
+    for section, names in sections.items():
+        lines += textwrap.wrap(", ".join(names), width, initial_indent=f"  {section}: ", subsequent_indent="    ")
+    return "\n".join(lines)
 
 
 def parse_device(device):
@@ -293,7 +402,13 @@ def parse_overrides(overrides):
     """OmegaConf dot-list ('optim.lr=0.05') to a config, with a clear error for a malformed pair."""
     for item in overrides:
         if "=" not in item or not item.split("=", 1)[0]:
-            raise RecipeError(f"command line: override '{item}' must look like key=value (e.g. optim.lr=0.05)")
+            raise RecipeError(f"{COMMAND_LINE}: override '{item}' must look like key=value (e.g. optim.lr=0.05)")
+        try:
+            OmegaConf.from_dotlist([item])
+        except (yaml.YAMLError, OmegaConfBaseException) as e:  # data.scale=[0.5,1 : YAML that does not parse
+            key, value = item.split("=", 1)
+            takes = f"{key} must be {expected(key)}, got {value!r}, which" if key in schema_leaves() else item
+            raise RecipeError(f"{COMMAND_LINE}: {takes} does not parse as YAML ({str(e).splitlines()[0]})") from None
     return OmegaConf.from_dotlist(list(overrides))
 
 
@@ -304,7 +419,7 @@ def load_recipe(recipe, overrides=(), model_check=None):
     cfg = OmegaConf.structured(Recipe)
     for source, layer in recipe_layers(path):
         cfg = merge_layer(cfg, layer, source)
-    cfg = merge_layer(cfg, parse_overrides(overrides), "command line")
+    cfg = merge_layer(cfg, parse_overrides(overrides), COMMAND_LINE)
     return checked(cfg, f"{path} (with command-line overrides)" if overrides else str(path), model_check)
 
 
@@ -312,8 +427,8 @@ def load_resumed_recipe(saved, overrides=(), source="checkpoint", model_check=No
     """The recipe saved in a checkpoint, with key=value overrides of RESUME_KEYS only; validated (model.name by
     model_check, as in load_recipe) and read-only."""
     cfg = merge_layer(OmegaConf.structured(Recipe), saved, f"{source} recipe")
-    resumed = merge_layer(cfg, parse_overrides(overrides), "command line")
-    check_resumable(cfg, resumed, "command line")
+    resumed = merge_layer(cfg, parse_overrides(overrides), COMMAND_LINE)
+    check_resumable(cfg, resumed, COMMAND_LINE)
     return checked(resumed, f"{source} recipe (with command-line overrides)" if overrides else f"{source} recipe",
                    model_check)
 

@@ -2,6 +2,7 @@
 
 import logging
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -73,6 +74,22 @@ def error_line(error):
     if "Original Traceback" in text:
         text = text.splitlines()[-1].split(": ", 1)[-1]  # 'utils.general.DatasetError: <message>'
     return text
+
+
+def in_flags(message, flags):
+    """message with the recipe keys it names written as a command's flags set them, for a command that shares
+    train.py's data code but not its key=value: with flags {'data.val_split': '--val-split', 'data.name': 'SRC'},
+    data.val_split=0.2 -> --val-split 0.2, data.csv_allow_outside=true -> --csv-allow-outside (a switch),
+    data.name=DIR -> DIR (a positional argument), data.name -> SRC."""
+    def written(match):
+        flag, value = flags[match["key"]], match["value"]
+        if value is None:
+            return flag
+        if not flag.startswith("-"):  # a positional argument: its value alone
+            return value
+        return flag if value == "true" else f"{flag} {value}"
+    keys = "|".join(map(re.escape, flags))
+    return re.sub(rf"(?<![\w.])(?P<key>{keys})(?![\w.])(?:=(?P<value>[^\s;,)]+))?", written, message)
 
 
 def short_path(path):
