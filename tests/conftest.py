@@ -3,6 +3,7 @@
 import contextlib
 import csv
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -127,14 +128,21 @@ class Lookup(torch.nn.Module):
         return self.logits[images[:, 0, 0, 0].long()]
 
 
+def closed_port():
+    """A loopback port nothing listens on: connections to it are refused."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        return listener.getsockname()[1]
+
+
 @contextlib.contextmanager
-def http_server(root, stop_after=None, cut_first=0, trickle=False, no_length=False):
+def http_server(root, stop_after=None, cut_first=0, trickle=False, no_length=False, log=None):
     """A real HTTP server (tests/http_server.py) serving root: yields (its base URL, its process). With stop_after,
     it exits when a request after the first stop_after GETs arrives, as a server that dies mid-run; with cut_first,
     the first cut_first shards it sends stop halfway; with trickle, it sends shards a byte every 50 ms (with
-    no_length, without announcing their length)."""
+    no_length, without announcing their length); with log, it appends `PATH BYTES` to that file for each GET."""
     options = [*([] if stop_after is None else ["--stop-after", str(stop_after)]), "--cut-first", str(cut_first),
-               *(["--trickle"] if trickle else []), *(["--no-length"] if no_length else [])]
+               *(["--trickle"] if trickle else []), *(["--no-length"] if no_length else []),
+               *([] if log is None else ["--log", str(log)])]
     server = subprocess.Popen([sys.executable, "-u", str(ROOT / "tests" / "http_server.py"), str(root), *options],
                               stdout=subprocess.PIPE, text=True)
     try:

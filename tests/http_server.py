@@ -1,21 +1,38 @@
 """A real HTTP server for the shard tests: Python's http.server serving a folder, in a process of its own.
 
-    python tests/http_server.py ROOT [--stop-after N] [--cut-first N] [--trickle [--no-length]]
+    python tests/http_server.py ROOT [--stop-after N] [--cut-first N] [--trickle [--no-length]] [--log FILE]
 
 Prints `port N` once listening. --stop-after N: the process exits at once (as a killed server does: connections
 refused from then on) when a request after the first N GETs arrives, before answering it. --cut-first N: the first N
 GETs of .tar files announce the whole file's length but close the connection after half of it. --trickle: every
 .tar file is sent a byte every 50 ms (with --no-length, without a Content-Length: until the connection closes).
+--log FILE: a line `PATH BYTES` for each GET answered, BYTES being what was sent (headers and body).
 """
 
 import argparse
 import contextlib
 import functools
 import os
+import threading
 import time
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 served = {"gets": 0, "cut": 0}
+log_lock = threading.Lock()
+
+
+class CountedWrites:
+    """A file object that counts the bytes written through it."""
+
+    def __init__(self, out):
+        self.out, self.count = out, 0
+
+    def write(self, data):
+        self.count += len(data)
+        return self.out.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.out, name)
 
 
 class Handler(SimpleHTTPRequestHandler):
@@ -25,9 +42,19 @@ class Handler(SimpleHTTPRequestHandler):
         served["gets"] += 1
         if self.args.stop_after is not None and served["gets"] > self.args.stop_after:
             os._exit(0)
-        if self.path.endswith(".tar") and (self.args.trickle or served["cut"] < self.args.cut_first):
-            return self.send_faulty(self.args.trickle)
-        super().do_GET()
+        self.wfile = CountedWrites(self.wfile)
+        try:
+            if self.path.endswith(".tar") and (self.args.trickle or served["cut"] < self.args.cut_first):
+                return self.send_faulty(self.args.trickle)
+            super().do_GET()
+        finally:
+            self.log_get()
+
+    def log_get(self):
+        """With --log, append the path and the bytes sent."""
+        if self.args.log:
+            with log_lock, open(self.args.log, "a") as log:
+                log.write(f"{self.path} {self.wfile.count}\n")
 
     def send_faulty(self, trickle):
         with open(self.translate_path(self.path), "rb") as f:
@@ -58,6 +85,7 @@ def main():
     parser.add_argument("--cut-first", type=int, default=0)
     parser.add_argument("--trickle", action="store_true")
     parser.add_argument("--no-length", action="store_true")
+    parser.add_argument("--log")
     Handler.args = parser.parse_args()
     server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=Handler.args.root))
     print(f"port {server.server_address[1]}", flush=True)

@@ -7,7 +7,10 @@ import hashlib
 import io
 import json
 import shutil
+import socket
 import tarfile
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +19,7 @@ from PIL import Image
 
 import data.shard_sets as shard_sets
 import data.shards as shards
-from conftest import http_server, run_python
+from conftest import closed_port, console_lines, http_server, run_python
 from data.shard_sets import ShardCache, ShardSamples, open_shard_set
 from test_n_invariance import served_shards, write_images
 from test_shards import RECIPE, jpeg_file, members, png_file
@@ -166,6 +169,43 @@ def test_a_local_shard_cut_short_or_missing_is_named(shard_set, tmp_path):
     result = run_python("train.py", *RECIPE, f"data.name={local}", f"project={tmp_path}")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
     assert result.stderr.strip().endswith(f"data.name: {shard}: the shard index names it, but it is not there")
+
+
+def test_a_server_down_at_the_start_is_said_try_by_try_then_named_with_data_name(tmp_path, quick_retries):
+    top = f"http://127.0.0.1:{closed_port()}/shards/dataset.json"
+    result = run_python("train.py", *RECIPE, f"data.name={top}", f"project={tmp_path}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert console_lines(result.stdout, "data: ") == [
+        f"data: {top}: Connection refused; try {n + 1} of 6 in {0.01 * 2 ** (n - 1):.3g} s" for n in range(1, 6)]
+    assert result.stderr.strip() == (f"train.py: error: data.name: {top} cannot be fetched after 6 tries over 0.31 s "
+                                     f"(Connection refused); check the server and data.name")
+
+
+def test_a_server_that_does_not_answer_is_said_while_each_try_waits(log, quick_retries, monkeypatch):
+    monkeypatch.setattr(shard_sets, "ANSWER_NOTICE", 0.05)
+    monkeypatch.setattr(shard_sets, "FETCH_TIMEOUT", 5)  # a try ends after 5 s without an answer where none is said
+    listener = socket.create_server(("127.0.0.1", 0))
+    top = f"http://127.0.0.1:{listener.getsockname()[1]}/shards/dataset.json"
+
+    def answer_once_waiting_is_said():  # each try's connection is closed, unanswered, once the try's wait is said
+        for n in range(1, 7):
+            connection = listener.accept()[0]
+            while b"\r\n\r\n" not in connection.recv(4096):  # the whole request: closing then sends no reset
+                pass
+            while sum("no answer" in m for m in log.messages) < n and time.monotonic() < deadline:
+                time.sleep(0.01)
+            connection.close()
+
+    deadline = time.monotonic() + 60
+    threading.Thread(target=answer_once_waiting_is_said, daemon=True).start()
+    with listener, pytest.raises(DatasetError) as error:
+        shard_sets.read_location(top, "the shard set's top file")
+    closed = "Remote end closed connection without response"
+    assert log.messages == [line for n in range(1, 7) for line in (
+        f"data: {top}: no answer in 0.05 s; try {n} of 6 waits up to 5 s",
+        *([f"data: {top}: {closed}; try {n + 1} of 6 in {0.01 * 2 ** (n - 1):.3g} s"] if n < 6 else []))]
+    assert str(error.value) == (f"data.name: {top} cannot be fetched after 6 tries over 0.31 s ({closed}); check the "
+                                f"server and data.name")
 
 
 def test_a_host_that_does_not_resolve_is_named_at_once(tmp_path):

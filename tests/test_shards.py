@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import http_server, read_results, run_python
+from conftest import closed_port, console_lines, http_server, read_results, run_python
 from data.shard_sets import ShardCache, open_shard_set
 from test_n_invariance import served_shards, write_images
 from utils.checkpoint import load_checkpoint
@@ -32,6 +32,25 @@ def shard_set(tmp_path_factory):
     base = tmp_path_factory.mktemp("shards")
     write_images(base / "data")
     return served_shards(base)
+
+
+@pytest.fixture(scope="module")
+def run_over_http(shard_set, tmp_path_factory):
+    """The set trained over HTTP (RECIPE) into a node cache of its own, then val.py on the run while the server is
+    up, each GET logged; the server gone once it returns {url, base, run (directory), train (its CompletedProcess),
+    gets (val.py's [path, bytes sent]), metrics (val.py's metrics.json)}."""
+    base = tmp_path_factory.mktemp("over-http")
+    log = base / "gets.log"
+    with http_server(shard_set, log=log) as (url, _):
+        train = run_python("train.py", *RECIPE, f"data.name={url}/shards", f"project={base}", "name=reference",
+                           f"data.cache_dir={base}/cache")
+        assert train.returncode == 0, train.stderr[-3000:]
+        log.unlink()
+        val = run_python("val.py", "--weights", base / "reference" / "weights" / "best.pt", f"--project={base}/val")
+        assert val.returncode == 0, val.stderr[-3000:]
+        gets = [line.split() for line in log.read_text().splitlines()]
+    metrics = json.loads((base / "val" / "exp" / "metrics.json").read_text())
+    return {"url": url, "base": base, "run": base / "reference", "train": train, "gets": gets, "metrics": metrics}
 
 
 def members(tar_path):
@@ -156,13 +175,12 @@ def test_the_writers_errors_name_its_own_flags_and_exit_2(layout, flags, line, t
     assert not (tmp_path / "out").exists()
 
 
-def test_a_run_over_http_stopped_mid_epoch_resumes_bit_identically_and_val_py_reproduces_it(shard_set, tmp_path):
+def test_a_run_over_http_stopped_mid_epoch_resumes_bit_identically_and_val_py_reproduces_it(shard_set, tmp_path,
+                                                                                             run_over_http):
+    reference = run_over_http["train"]
+    assert f"data: {run_over_http['url']}/shards: 19 train shards and 1 val shards, fetched into" in reference.stdout
     with http_server(shard_set) as (url, _):
         name = f"data.name={url}/shards"
-        reference = run_python("train.py", *RECIPE, name, f"project={tmp_path}", "name=reference",
-                               f"data.cache_dir={tmp_path}/cache-reference")
-        assert reference.returncode == 0, reference.stderr[-3000:]
-        assert f"data: {url}/shards: 19 train shards and 1 val shards, fetched into" in reference.stdout
         # Stopped by SIGTERM, as a scheduler's preemption: the ranks stop and save at step 2 of epoch 1's 5; a fresh
         # cache, so the resumed part fetches what the stopped one had not.
         result = run_python("tests/faults.py", "signal-at-step:3:SIGTERM", "train.py", *RECIPE, name,
@@ -173,13 +191,51 @@ def test_a_run_over_http_stopped_mid_epoch_resumes_bit_identically_and_val_py_re
         result = run_python("train.py", "--resume", run_dir)
         assert result.returncode == 0, result.stderr[-3000:]
         assert "resuming at epoch 1, step 2" in result.stdout
-        ours, theirs = (load_checkpoint(d / "weights" / "last.pt")["model"] for d in (run_dir, tmp_path / "reference"))
+        ours, theirs = (load_checkpoint(d / "weights" / "last.pt")["model"] for d in (run_dir, run_over_http["run"]))
         assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
         val = run_python("val.py", "--weights", run_dir / "weights" / "best.pt", f"--project={tmp_path}/val")
         assert val.returncode == 0, val.stderr[-3000:]
     best = max(float(row["val/top1"]) for row in read_results(run_dir)[1])
     metrics = json.loads((tmp_path / "val" / "exp" / "metrics.json").read_text())
     assert metrics["images"] == 6 and abs(metrics["top1"] - best) < 1e-9
+
+
+def test_val_py_on_a_run_trained_over_http_fetches_the_top_file_and_its_split_s_index_not_the_cached_shards(
+        run_over_http):
+    assert [path for path, _ in run_over_http["gets"]] == ["/shards/dataset.json", "/shards/val/index.json"]
+    assert run_over_http["metrics"]["images"] == 6
+
+
+def test_val_py_with_the_server_down_evaluates_the_run_from_the_copies_and_shards_in_its_node_cache(run_over_http):
+    url, base = run_over_http["url"], run_over_http["base"]
+    result = run_python("val.py", "--weights", run_over_http["run"] / "weights" / "best.pt", f"--project={base}/down")
+    assert result.returncode == 0, result.stderr[-3000:]
+    cache = base / "cache" / digest(f"{url}/shards/dataset.json")
+    lines = []
+    for fetched in (f"{url}/shards/dataset.json", f"{url}/shards/val/index.json"):
+        copy = cache / f"copy-{digest(fetched)}.json"
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(copy.stat().st_mtime))
+        lines.append(f"data: {fetched}: Connection refused; reading its copy fetched {when}, {copy}")
+    assert console_lines(result.stdout, "data: ") == lines
+    metrics = json.loads((base / "down" / "exp" / "metrics.json").read_text())
+    assert {k: metrics[k] for k in ("images", "top1", "loss")} == \
+        {k: run_over_http["metrics"][k] for k in ("images", "top1", "loss")}
+
+
+def digest(url):
+    return hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+def test_val_py_names_its_data_option_when_the_set_cannot_be_fetched(run_over_http, monkeypatch):
+    monkeypatch.setenv("CLS_FETCH_BACKOFF", "0.01")
+    top = f"http://127.0.0.1:{closed_port()}/shards/dataset.json"
+    result = run_python("val.py", "--weights", run_over_http["run"] / "weights" / "best.pt", "--data", top,
+                        f"--project={run_over_http['base']}/val")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert console_lines(result.stdout, "data: ") == [
+        f"data: {top}: Connection refused; try {n + 1} of 6 in {0.01 * 2 ** (n - 1):.3g} s" for n in range(1, 6)]
+    assert result.stderr.strip() == (f"val.py: error: --data: {top} cannot be fetched after 6 tries over 0.31 s "
+                                     f"(Connection refused); check the server and --data")
 
 
 def test_a_server_that_dies_mid_run_stops_it_with_one_line_and_a_resume_goes_on(shard_set, tmp_path, monkeypatch):
