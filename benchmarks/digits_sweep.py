@@ -74,18 +74,18 @@ def main():
     args = parser.parse_args()
     print(f"last-epoch val top-1 (%) of cls.yaml {' '.join(args.overrides)}; seeds {args.seeds}", flush=True)
     print(f"{'ISA':10s} {'N':>2s}  " + " ".join(f"{s:>6d}" for s in args.seeds) + "  lowest", flush=True)
-    runs = []
+    runs = []  # each run's results.csv rows
     for isa in args.isas:
         for nproc in args.nprocs:
             row = [launch(nproc, seed, isa, args.overrides) for seed in args.seeds]
             runs += row
-            last = [rows[-1]["val/top1"] for rows in row]
+            last = [run[-1]["val/top1"] for run in row]
             print(f"{isa:10s} {nproc:2d}  " + " ".join(f"{100 * t:6.2f}" for t in last) + f"  {100 * min(last):6.2f}",
                   flush=True)
-    lowest = min(rows[-1]["val/top1"] for rows in runs)
-    losses = [rows[-1]["val/loss"] for rows in runs]
-    print(f"val images missed, of 360 (runs): last epoch {tally([misses(r[-1]['val/top1']) for r in runs])}")
-    print(f"                                best epoch {tally([misses(max(row['val/top1'] for row in r)) for r in runs])}")
+    lowest = min(run[-1]["val/top1"] for run in runs)
+    losses = [run[-1]["val/loss"] for run in runs]
+    print(f"val images missed, of 360 (runs): last epoch {tally([misses(run[-1]['val/top1']) for run in runs])}")
+    print(f"{'best epoch':>42s} {tally([misses(max(epoch['val/top1'] for epoch in run)) for run in runs])}")
     print(f"last-epoch val loss {min(losses):.4f} to {max(losses):.4f}")
     print(f"lowest of all {len(runs)} runs: {lowest:.2%} "
           f"({'every run' if lowest >= args.min_top1 else 'NOT every run'} >= {args.min_top1:.1%})")
