@@ -72,6 +72,8 @@ def main():
     parser.add_argument("--min-top1", type=float, default=0.99, help="the bar every run must reach")
     parser.add_argument("overrides", nargs="*", help="recipe overrides for every run")
     args = parser.parse_args()
+    if overrides := [isa for isa in args.isas if "=" in isa]:  # `--isas AVX2 train.epochs=8` takes both as ISAs
+        parser.error(f"--isas {' '.join(overrides)}: recipe overrides go before --isas or after --")
     print(f"last-epoch val top-1 (%) of cls.yaml {' '.join(args.overrides)}; seeds {args.seeds}", flush=True)
     print(f"{'ISA':10s} {'N':>2s}  " + " ".join(f"{s:>6d}" for s in args.seeds) + "  lowest", flush=True)
     runs = []  # each run's results.csv rows
@@ -85,7 +87,7 @@ def main():
     lowest = min(run[-1]["val/top1"] for run in runs)
     losses = [run[-1]["val/loss"] for run in runs]
     print(f"val images missed, of 360 (runs): last epoch {tally([misses(run[-1]['val/top1']) for run in runs])}")
-    print(f"{'best epoch':>42s} {tally([misses(max(epoch['val/top1'] for epoch in run)) for run in runs])}")
+    print(f"{'best epoch':>44s} {tally([misses(max(epoch['val/top1'] for epoch in run)) for run in runs])}")
     print(f"last-epoch val loss {min(losses):.4f} to {max(losses):.4f}")
     print(f"lowest of all {len(runs)} runs: {lowest:.2%} "
           f"({'every run' if lowest >= args.min_top1 else 'NOT every run'} >= {args.min_top1:.1%})")
