@@ -1,9 +1,10 @@
 """Run by test_n_invariance.py, as one process ('one-core': pinned to one core, so one compute thread) or under
 torchrun: train RECIPE for one epoch on each data path (the RAM cache, the JPEG cache, per image, and the same images
 as a shard set served over HTTP: 'shards=URL'), each into project/<path>. 'multilabel': DATA is a multi-label CSV
-root, trained with MULTILABEL's options on the RAM cache and per image.
+root, trained with MULTILABEL's options on the RAM cache and per image. 'accumulate=K': each process's batch in K
+micro-batches (train.accumulate).
 
-    python tests/n_invariance.py PROJECT DATA [one-core] [shards=URL] [multilabel]
+    python tests/n_invariance.py PROJECT DATA [one-core] [accumulate=K] [shards=URL] [multilabel]
 """
 
 import os
@@ -29,7 +30,7 @@ MULTILABEL = ["data.multilabel=true", "train.class_weights=balanced", "train.lab
               "data.mixup_alpha=0.4"]
 
 
-def main(project, data, one_core=False, shards=None, multilabel=False):
+def main(project, data, one_core=False, shards=None, multilabel=False, accumulate=1):
     if one_core:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     setup_distributed()
@@ -41,7 +42,8 @@ def main(project, data, one_core=False, shards=None, multilabel=False):
                            f"data.cache_dir={project}/shard-cache"]
     try:
         for path, options in paths.items():
-            cfg = load_recipe("cls.yaml", [*RECIPE, *options, f"project={project}", f"name={path}"])
+            cfg = load_recipe("cls.yaml", [*RECIPE, *options, f"train.accumulate={accumulate}", f"project={project}",
+                                           f"name={path}"])
             with StopVote() as vote:
                 vote.device = select_device("cpu")
                 train.train(cfg, vote, None)
@@ -49,7 +51,12 @@ def main(project, data, one_core=False, shards=None, multilabel=False):
         cleanup_distributed()
 
 
+def option(options, key, default=None):
+    """The value of the command-line option key=VALUE, else default."""
+    return next((o.removeprefix(key + "=") for o in options if o.startswith(key + "=")), default)
+
+
 if __name__ == "__main__":
     options = sys.argv[3:]
-    main(sys.argv[1], sys.argv[2], "one-core" in options,
-         next((o.removeprefix("shards=") for o in options if o.startswith("shards=")), None), "multilabel" in options)
+    main(sys.argv[1], sys.argv[2], "one-core" in options, option(options, "shards"), "multilabel" in options,
+         int(option(options, "accumulate", 1)))
