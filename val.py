@@ -36,6 +36,7 @@ from utils.torch_utils import select_device, set_device, set_threads
 from utils.tta import TTA_NAME, flip_warning
 
 MAX_CLASSES_SHOWN = 50  # more classes are saved to per_class.csv but not printed
+FLAGS = {"data.name": "--data"}  # the recipe key the data code's lines name, as val.py takes it
 
 
 def parse_args(argv=None):
@@ -67,14 +68,14 @@ def main(argv=None):
         try:
             return validate(args)
         except UsageError as e:  # said while this rank is still in the group, where the others find it
-            exit_on_error("val.py", e)
+            exit_on_error("val.py", e, FLAGS)
         except Exception:
             stop_if_another_rank_failed("val.py")  # a collective broken by a rank that failed and left
             raise
         finally:
             cleanup_distributed()
     except UsageError as e:  # met before the group was joined
-        exit_on_error("val.py", e)
+        exit_on_error("val.py", e, FLAGS)
 
 
 def validate(args):
@@ -88,7 +89,7 @@ def validate(args):
     precision, dtype = inference_precision(args.precision, cfg.train.precision, device)
     _, workers, _ = set_threads(cfg.data.workers if args.workers is None else args.workers, device_type=device.type)
     dataset = named_eval_dataset(args.data or cfg.data.name, args.split, val_transforms(cfg.data), classes,
-                                 args.weights, cfg.data.csv_allow_outside, cfg.data.cache_dir, key="--data")
+                                 args.weights, cfg.data.csv_allow_outside, cfg.data.cache_dir)
     check_task(dataset, cfg.data.multilabel, args.data or cfg.data.name)
     if cfg.data.skip_corrupt and hasattr(dataset, "samples"):  # as training did: its recorded top-1 left them out
         skipped = skip_unreadable(dataset)

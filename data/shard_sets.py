@@ -96,15 +96,15 @@ def said(line):
     LOGGER.info(f"{colorstr('data:')} {line}")
 
 
-def read_location(location, what, key="data.name", cache=None):
+def read_location(location, what, cache=None):
     """The bytes of a local file or a URL (retried with back-off, see retried; a host that does not resolve is not:
-    the set's option, key, is mistyped more often than a name server fails at the start). A URL's bytes are kept in
+    data.name is mistyped more often than a name server fails at the start). A URL's bytes are kept in
     cache (a ShardCache); with its use_copies, that copy is read when the server cannot be reached, after one try."""
     if not is_url(location):
         try:
             return Path(location).read_bytes()
         except OSError as e:
-            raise DatasetError(f"{key}: {location}: {what} cannot be read ({e.strerror or e})") from None
+            raise DatasetError(f"data.name: {location}: {what} cannot be read ({e.strerror or e})") from None
     buffer = io.BytesIO()
 
     def fetch(answered):
@@ -113,12 +113,12 @@ def read_location(location, what, key="data.name", cache=None):
             cache.keep_copy(location, buffer.getvalue())
         return buffer.getvalue()
 
-    then = f"check the server and {key}"
+    then = "check the server and data.name"
     copy = cache.copy_of(location) if cache else None
     if cache and cache.use_copies and copy.is_file():
-        return retried(location, fetch, DatasetError, then, key=key, tries=1,
+        return retried(location, fetch, DatasetError, then, tries=1,
                        instead=lambda reason: read_copy(location, copy, reason))
-    return retried(location, fetch, DatasetError, then, dns=False, key=key)
+    return retried(location, fetch, DatasetError, then, dns=False)
 
 
 def read_copy(location, copy, reason):
@@ -161,11 +161,11 @@ def download(url, out, size=0, answered=lambda: None):
         raise ShortTransfer(f"the connection closed after {received} of {expected} bytes")
 
 
-def retried(url, work, error=ImageError, then=RESUME, dns=True, key="data.name", tries=FETCH_TRIES, instead=None):
+def retried(url, work, error=ImageError, then=RESUME, dns=True, tries=FETCH_TRIES, instead=None):
     """work(answered) tried `tries` times with doubling waits, rank 0 saying each failure and each try that waits
     ANSWER_NOTICE s for the server's answer (work calls answered() when it comes); a missing file (404, 403, 410) is
     not retried, nor (with dns=False) a host name that does not resolve. The last failure is raised as error, naming
-    url and key (the option naming the set) and saying what to do then; or, for a server that cannot be reached,
+    url and data.name and saying what to do then; or, for a server that cannot be reached,
     instead(reason) is returned when given."""
     for attempt in range(tries):
         waiting = threading.Timer(ANSWER_NOTICE, said, [f"{url}: no answer in {ANSWER_NOTICE:g} s; try {attempt + 1} "
@@ -177,13 +177,13 @@ def retried(url, work, error=ImageError, then=RESUME, dns=True, key="data.name",
         except urllib.error.HTTPError as e:
             reason = f"HTTP {e.code} {e.reason}"
             if e.code in (403, 404, 410):
-                raise error(f"{key}: {url} cannot be fetched ({reason})") from None
+                raise error(f"data.name: {url} cannot be fetched ({reason})") from None
         except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
             cause = getattr(e, "reason", None) or e
             reason = (getattr(cause, "strerror", None) or str(cause)) or type(e).__name__
             if not dns and instead is None and isinstance(cause, socket.gaierror):
-                raise error(f"{key}: {url} cannot be fetched: its host does not resolve ({reason}); "
-                            f"check {key}") from None
+                raise error(f"data.name: {url} cannot be fetched: its host does not resolve ({reason}); "
+                            f"check data.name") from None
         finally:
             waiting.cancel()
         if attempt + 1 < tries:
@@ -192,46 +192,46 @@ def retried(url, work, error=ImageError, then=RESUME, dns=True, key="data.name",
             time.sleep(wait)
     if instead is not None:
         return instead(reason)
-    raise error(f"{key}: {url} cannot be fetched after {tries} tries over "
+    raise error(f"data.name: {url} cannot be fetched after {tries} tries over "
                 f"{backoff() * (2 ** (tries - 1) - 1):.3g} s ({reason}); {then}")
 
 
-def read_json(location, kind, what, fields, key="data.name", cache=None):
-    """A JSON file of the given __kind__ with fields {field: type}, with errors that name it, the field and key (the
-    option naming the set); cache: see read_location."""
+def read_json(location, kind, what, fields, cache=None):
+    """A JSON file of the given __kind__ with fields {field: type}, with errors that name it, the field and
+    data.name; cache: see read_location."""
     try:
-        content = json.loads(read_location(location, what, key, cache))
+        content = json.loads(read_location(location, what, cache))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DatasetError(f"{key}: {location}: {what} is not JSON ({e})") from None
+        raise DatasetError(f"data.name: {location}: {what} is not JSON ({e})") from None
     if not isinstance(content, dict) or content.get("__kind__") != kind:
-        raise DatasetError(f"{key}: {location}: {what} is not a {kind} file (its __kind__ is "
+        raise DatasetError(f"data.name: {location}: {what} is not a {kind} file (its __kind__ is "
                            f"{content.get('__kind__') if isinstance(content, dict) else None!r})")
     for field, kind_of in fields.items():
         if not isinstance(content.get(field), kind_of):
-            raise DatasetError(f"{key}: {location}: {what} has no {field} {kind_of.__name__} (it has "
+            raise DatasetError(f"data.name: {location}: {what} has no {field} {kind_of.__name__} (it has "
                                f"{sorted(k for k in content if k != '__kind__')})" if field not in content else
-                               f"{key}: {location}: {what}'s {field} is not a {kind_of.__name__}")
+                               f"data.name: {location}: {what}'s {field} is not a {kind_of.__name__}")
     return content
 
 
-def malformed(location, problem, key="data.name"):
-    return DatasetError(f"{key}: {location}: {problem}; index shards another tool wrote with "
+def malformed(location, problem):
+    return DatasetError(f"data.name: {location}: {problem}; index shards another tool wrote with "
                         f"`python -m data.shard_index`, or write the set with `python -m data.shards`")
 
 
 class ShardSplit:
     """One split of a shard set: its shards (each with its location resolved), classes and samples' labels."""
 
-    def __init__(self, index_location, classes, key="data.name", cache=None):
-        index = read_json(index_location, INDEX_KIND, "the shard index", {"shardlist": list}, key, cache)
+    def __init__(self, index_location, classes, cache=None):
+        index = read_json(index_location, INDEX_KIND, "the shard index", {"shardlist": list}, cache)
         self.location, self.classes = index_location, list(classes)
         if not index["shardlist"]:
-            raise DatasetError(f"{key}: {index_location}: the shard index lists no shards")
-        entries = [checked_entry(index_location, shard, key) for shard in index["shardlist"]]
+            raise DatasetError(f"data.name: {index_location}: the shard index lists no shards")
+        entries = [checked_entry(index_location, shard) for shard in index["shardlist"]]
         self.shards = [entry for entry, _ in entries]  # without per-sample lists: every process and worker holds it
         self.labels, self.crcs, sizes = (np.concatenate(column) for column in zip(*(c for _, c in entries)))
         if len(self.labels) and self.labels.max() >= len(classes):
-            raise DatasetError(f"{key}: {index_location}: labels outside the {len(classes)} classes")
+            raise DatasetError(f"data.name: {index_location}: labels outside the {len(classes)} classes")
         self.sizes = torch.from_numpy(sizes)  # (height, width)
         self.lengths = np.array([s["nsamples"] for s in self.shards], np.int64)
 
@@ -240,11 +240,11 @@ class ShardSplit:
         return [[Path(urllib.parse.urlparse(s["url"]).path).name, s.get("sha256", "")] for s in self.shards]
 
 
-def checked_entry(index_location, shard, key="data.name"):
+def checked_entry(index_location, shard):
     """(an index's shard entry, its url resolved against the index and its per-sample lists left out; those lists
     as arrays: labels (int64), crcs (uint32), sizes ((n, 2) int64)), checked for what reading needs."""
     if not (isinstance(shard, dict) and isinstance(shard.get("url"), str) and isinstance(shard.get("nsamples"), int)):
-        raise malformed(index_location, f"a shardlist entry lacks a url or nsamples ({str(shard)[:80]})", key)
+        raise malformed(index_location, f"a shardlist entry lacks a url or nsamples ({str(shard)[:80]})")
     url, n = shard["url"], shard["nsamples"]
     entry = {**{k: v for k, v in shard.items() if k not in ("labels", "crcs", "sizes")},
              "url": resolve(index_location, url)}
@@ -255,31 +255,31 @@ def checked_entry(index_location, shard, key="data.name"):
     if n == 0 and labels.size == crcs.size == sizes.size == 0:
         return entry, (np.zeros(0, np.int64), np.zeros(0, np.uint32), np.zeros((0, 2), np.int64))
     if labels.shape != (n,) or crcs.shape != (n,) or sizes.size != 2 * n:
-        raise malformed(index_location, f"{url} lacks a label, CRC-32 or size for each of its {n} samples", key)
+        raise malformed(index_location, f"{url} lacks a label, CRC-32 or size for each of its {n} samples")
     if labels.dtype.kind not in "iu" or labels.min() < 0:  # kind: not bool, float or text
-        raise malformed(index_location, f"{url}: its labels are not class indexes", key)
+        raise malformed(index_location, f"{url}: its labels are not class indexes")
     if crcs.dtype.kind not in "iu" or crcs.min() < 0 or crcs.max() >= 2**32:
-        raise malformed(index_location, f"{url}: its crcs are not CRC-32s", key)
+        raise malformed(index_location, f"{url}: its crcs are not CRC-32s")
     if sizes.dtype.kind not in "iu" or sizes.shape != (n, 2) or sizes.min() <= 0:
-        raise malformed(index_location, f"{url}: its sizes are not [height, width] pairs of pixels", key)
+        raise malformed(index_location, f"{url}: its sizes are not [height, width] pairs of pixels")
     return entry, (labels.astype(np.int64), crcs.astype(np.uint32), sizes.astype(np.int64))
 
 
-def open_shard_set(name, key="data.name", cache=None, only=None):
-    """(classes, {split: ShardSplit}) of the shard set data.name (val.py: --data; key) names: its top file and its
+def open_shard_set(name, cache=None, only=None):
+    """(classes, {split: ShardSplit}) of the shard set data.name names: its top file and its
     splits' indexes (only: that split's, if the set has it) read, or fetched, by every rank: they are small beside
     the shards. cache: the ShardCache keeping the copies of those fetched (see read_location)."""
     top_file = top_location(name)
-    top = read_json(top_file, KIND, "the shard set's top file", {"classes": list, "splits": dict}, key, cache)
+    top = read_json(top_file, KIND, "the shard set's top file", {"classes": list, "splits": dict}, cache)
     classes = top["classes"]
     if not classes or not all(isinstance(c, str) for c in classes):
-        raise DatasetError(f"{key}: {top_file}: its classes are not a list of class names")
+        raise DatasetError(f"data.name: {top_file}: its classes are not a list of class names")
     if not all(isinstance(index, str) for index in top["splits"].values()):
-        raise DatasetError(f"{key}: {top_file}: its splits do not map each split to its index file")
+        raise DatasetError(f"data.name: {top_file}: its splits do not map each split to its index file")
     if only is not None and only not in top["splits"]:
-        raise DatasetError(f"{key}: {top_file}: no {only} split (it names {sorted(top['splits'])})")
+        raise DatasetError(f"data.name: {top_file}: no {only} split (it names {sorted(top['splits'])})")
     wanted = [only] if only is not None else list(top["splits"])
-    return classes, {split: ShardSplit(resolve(top_file, top["splits"][split]), classes, key, cache)
+    return classes, {split: ShardSplit(resolve(top_file, top["splits"][split]), classes, cache)
                      for split in wanted}
 
 
@@ -287,12 +287,12 @@ class ShardCache:
     """Where a process finds a shard's bytes: a local shard where it is; a URL's in the node-local cache folder,
     fetched first if missing (one process per machine, the others wait on its lock). Picklable: DataLoader workers
     get a copy. budget (bytes, 0: none): cached shards beyond it are removed, least recently opened first (a process
-    that has a shard open keeps reading it). then: what a failed fetch's line tells the user to do; key: the option
-    that names the set in every line (train.py's data.name, val.py's --data). The top file and indexes fetched are
+    that has a shard open keeps reading it). then: what a failed fetch's line tells the user to do (every line names
+    the set as data.name: val.py says it as --data, utils.distributed.exit_on_error). The top file and indexes fetched are
     kept here too; use_copies: read them when the server cannot be reached (val.py: the set a run trained on)."""
 
-    def __init__(self, folder, budget=0, then=RESUME, key="data.name", use_copies=False):
-        self.folder, self.budget, self.then, self.key, self.use_copies = Path(folder), budget, then, key, use_copies
+    def __init__(self, folder, budget=0, then=RESUME, use_copies=False):
+        self.folder, self.budget, self.then, self.use_copies = Path(folder), budget, then, use_copies
 
     def local(self, shard):
         """The local path of shard (a ShardSplit entry), fetched first where it is a URL."""
@@ -318,8 +318,8 @@ class ShardCache:
             try:
                 with open(tmp, "w+b") as out:
                     retried(url, lambda answered: download(url, out, shard.get("filesize", 0), answered),
-                            then=self.then, key=self.key)
-                check_shard(url, tmp, shard, self.key)
+                            then=self.then)
+                check_shard(url, tmp, shard)
                 self.make_room(shard.get("filesize", 0))
                 os.replace(tmp, path)
             finally:
@@ -373,11 +373,11 @@ class ShardCache:
             held -= size
 
 
-def check_shard(url, path, shard, key="data.name"):
+def check_shard(url, path, shard):
     """A fetched shard's size and SHA-256 against its index's: a mismatch names the shard."""
     size = path.stat().st_size
     if "filesize" in shard and size != shard["filesize"]:
-        raise ImageError(f"{key}: {url}: fetched {size} bytes, the shard index says {shard['filesize']}: the "
+        raise ImageError(f"data.name: {url}: fetched {size} bytes, the shard index says {shard['filesize']}: the "
                          f"shard is damaged or was changed since its index was written")
     if shard.get("sha256"):
         digest = hashlib.sha256()
@@ -385,7 +385,7 @@ def check_shard(url, path, shard, key="data.name"):
             while chunk := f.read(1 << 22):
                 digest.update(chunk)
         if digest.hexdigest() != shard["sha256"]:
-            raise ImageError(f"{key}: {url}: its SHA-256 is {digest.hexdigest()[:16]}..., the shard index says "
+            raise ImageError(f"data.name: {url}: its SHA-256 is {digest.hexdigest()[:16]}..., the shard index says "
                              f"{shard['sha256'][:16]}...: the shard is damaged or was changed since its index was "
                              f"written")
 
@@ -423,16 +423,16 @@ class ShardSamples(Dataset):
         url, size = shard["url"], os.fstat(stream.fileno()).st_size
         try:
             if "filesize" in shard and size != shard["filesize"]:
-                raise ImageError(f"{self.cache.key}: {url}: {size} bytes, the shard index says {shard['filesize']}: "
+                raise ImageError(f"data.name: {url}: {size} bytes, the shard index says {shard['filesize']}: "
                                  f"the shard is damaged or was changed since its index was written")
             try:
                 tar = IndexedTarSamples(path=path, stream=stream)
             except (struct.error, ValueError, OSError, AssertionError, IndexError, KeyError) as e:  # as wids meets it
-                raise ImageError(f"{self.cache.key}: {url}: not a readable tar file ({e or type(e).__name__}): the "
+                raise ImageError(f"data.name: {url}: not a readable tar file ({e or type(e).__name__}): the "
                                  f"shard is damaged") from None
             if len(tar) != shard["nsamples"]:
                 tar.close()
-                raise ImageError(f"{self.cache.key}: {url}: holds {len(tar)} samples, the shard index says "
+                raise ImageError(f"data.name: {url}: holds {len(tar)} samples, the shard index says "
                                  f"{shard['nsamples']}: the shard was changed since its index was written")
         except ImageError:
             stream.close()
@@ -449,11 +449,11 @@ class ShardSamples(Dataset):
                 return open(path, "rb"), path
             except FileNotFoundError:
                 if not is_url(url):
-                    raise DatasetError(f"{self.cache.key}: {url}: the shard index names it, but it is not "
+                    raise DatasetError(f"data.name: {url}: the shard index names it, but it is not "
                                        f"there") from None
             except OSError as e:  # a folder, no permission
-                raise DatasetError(f"{self.cache.key}: {url}: the shard cannot be opened ({e.strerror or e})") from None
-        raise ImageError(f"{self.cache.key}: {url}: removed from the cache {short_path(self.cache.folder)} three times "
+                raise DatasetError(f"data.name: {url}: the shard cannot be opened ({e.strerror or e})") from None
+        raise ImageError(f"data.name: {url}: removed from the cache {short_path(self.cache.folder)} three times "
                          f"before it could be opened; raise data.shard_cache_gb")
 
     def image_bytes(self, i):
@@ -474,13 +474,13 @@ class ShardSamples(Dataset):
         shard = self.split.shards[k]
         url = shard["url"]
         if no_image:  # the shard as written: fetching it again would not help
-            return (f"{self.cache.key}: {url}: {sample} has no image member ({', '.join(IMAGE_EXTENSIONS)}); write "
+            return (f"data.name: {url}: {sample} has no image member ({', '.join(IMAGE_EXTENSIONS)}); write "
                     f"the set again with `python -m data.shards`")
         what = "does not match its CRC-32"
         if not is_url(url) or not shard.get("sha256"):
-            return f"{self.cache.key}: {url}: {sample} {what}: the shard is damaged"
+            return f"data.name: {url}: {sample} {what}: the shard is damaged"
         Path(path).unlink(missing_ok=True)
-        return (f"{self.cache.key}: {url}: {sample} {what} in its cached copy {short_path(path)}, damaged since it was "
+        return (f"data.name: {url}: {sample} {what} in its cached copy {short_path(path)}, damaged since it was "
                 f"fetched: the copy is removed, so that the next run fetches the shard again")
 
     def __len__(self):
@@ -565,17 +565,17 @@ class ValShards(ShardSamples):
             image = decode(io.BytesIO(data))
         except UNREADABLE as e:
             url = self.split.shards[int(self.shard_of[i])]["url"]
-            raise ImageError(f"{self.cache.key}: {url}: image {i} is unreadable ({unreadable_reason(e)})") from None
+            raise ImageError(f"data.name: {url}: image {i} is unreadable ({unreadable_reason(e)})") from None
         return (self.transform(image) if self.transform else image), int(self.targets[i])
 
 
-def shard_cache(name, cache_dir="", budget_gb=0.0, then=RESUME, key="data.name", use_copies=False):
+def shard_cache(name, cache_dir="", budget_gb=0.0, then=RESUME, use_copies=False):
     """The node-local cache of data.name's shard set: data.cache_dir, or datasets/shard-cache/, then a folder per
     set (a digest of its location). A set behind a URL needs it writable, which is checked here, before any work.
-    then, key, use_copies: see ShardCache."""
+    then, use_copies: see ShardCache."""
     root = Path(cache_dir) if cache_dir else DATASETS_DIR / "shard-cache"
     location = top_location(name) if is_url(name) else str(Path(top_location(name)).resolve())
-    cache = ShardCache(root / hashlib.sha256(location.encode()).hexdigest()[:16], int(budget_gb * 1e9), then, key,
+    cache = ShardCache(root / hashlib.sha256(location.encode()).hexdigest()[:16], int(budget_gb * 1e9), then,
                        use_copies)
     if is_url(name):
         with cache.disk_errors():
@@ -621,13 +621,13 @@ def check_budget(cfg, split):
                            f"lower data.shard_window")
 
 
-def eval_shards(name, split, transform, classes, weights, cache_dir="", key="data.name"):
-    """The shard set's split that name (the option key: val.py's --data, or the checkpoint's data.name) names,
+def eval_shards(name, split, transform, classes, weights, cache_dir=""):
+    """The shard set's split that name (val.py's --data, or the checkpoint's data.name) names,
     labelled as a checkpoint's classes, which it must have. Only that split's index is read; with the server down,
     the copies of the top file and index that training (or an earlier val.py) kept in the node cache are read, so
     that the shards cached there, checked when fetched, are evaluated without it."""
-    cache = shard_cache(name, cache_dir, then=RERUN, key=key, use_copies=True)
-    set_classes, splits = open_shard_set(name, key, cache, only=split)
+    cache = shard_cache(name, cache_dir, then=RERUN, use_copies=True)
+    set_classes, splits = open_shard_set(name, cache, only=split)
     if set_classes != list(classes):
         raise DatasetError(f"{top_location(name)}: its {len(set_classes)} classes are not the {len(classes)} classes "
                            f"{weights} was trained on")

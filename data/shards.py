@@ -44,7 +44,7 @@ from data.layouts import HoldOut
 from data.shard_sets import INDEX_KIND, KIND, TOP
 from data.verify import UNREADABLE, decode, unreadable_reason
 from utils.distributed import exit_on_error
-from utils.general import DatasetError, UsageError, cpu_count, error_line, in_flags, short_path
+from utils.general import DatasetError, UsageError, cpu_count, short_path
 
 # The formats validation images are stored in as they are, by the extension the reader knows them by (IMAGE_EXTENSIONS)
 EXTENSIONS = {"JPEG": ".jpg", "MPO": ".jpg", "PNG": ".png", "WEBP": ".webp", "BMP": ".bmp", "PPM": ".ppm",
@@ -233,7 +233,7 @@ def main(argv=None):
     try:
         counts = write_shard_set(args)
     except UsageError as e:
-        exit_on_error("python -m data.shards", UsageError(in_flags(error_line(e), FLAGS)))
+        exit_on_error("python -m data.shards", e, FLAGS)
     (train, train_shards), (val, val_shards) = counts["train"], counts["val"]
     print(f"{short_path(args.out)}: {train} train images in {train_shards} shard(s), {val} val images in "
           f"{val_shards} shard(s); train on it with data.name={short_path(args.out)}")

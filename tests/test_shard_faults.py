@@ -288,7 +288,7 @@ def test_the_writer_stores_a_camera_mpo_as_jpg_a_gif_as_png_and_refuses_a_jpeg_c
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), np.uint8)).save(cut)
     cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])  # Image.verify() passes it
     result = run_python("-m", "data.shards", data, tmp_path / "out-2")
-    assert result.returncode == 1 and not (tmp_path / "out-2").exists()
+    assert result.returncode == 2 and not (tmp_path / "out-2").exists()
     assert result.stderr.strip().splitlines()[-1].startswith(f"python -m data.shards: error: {cut}: unreadable "
                                                              f"image (image file is truncated")
 

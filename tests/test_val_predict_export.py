@@ -291,3 +291,12 @@ def test_predict_names_a_source_that_does_not_exist(best, tmp_path, capfd):
         predict.main(["--weights", str(weights), "--source", str(tmp_path / "nonexistent")])
     assert exit_.value.code == 2
     assert capfd.readouterr().err == f"predict.py: error: --source {tmp_path / 'nonexistent'}: no such file or folder\n"
+
+
+def test_val_names_its_data_option_where_the_data_code_says_data_name(best, tmp_path, capfd):
+    with pytest.raises(SystemExit) as e:
+        val.main(["--weights", str(best[0]), "--data", str(tmp_path / "nowhere"), "--project", str(tmp_path)])
+    err = capfd.readouterr().err
+    assert e.value.code == 2
+    assert err.startswith(f"val.py: error: --data '{tmp_path / 'nowhere'}' is neither a dataset here")
+    assert "data.name" not in err

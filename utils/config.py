@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException
 
 from utils.general import ROOT, WORLD_SIZE, SharedError
 

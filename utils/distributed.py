@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from utils.general import (LOCAL_RANK, LOCAL_WORLD_SIZE, RANK, RESTART_COUNT, SHARE_ONE_GPU, WORLD_SIZE, SharedError,
-                           UsageError, error_line)
+                           UsageError, error_line, in_flags)
 from utils.torch_utils import TORCH_MINIMUM, check_version, de_parallel
 
 # How long a rank waits at a collective for the others. No rank works alone for long (validation and data checks are
@@ -48,11 +48,14 @@ def run_failure_actions():
             pass
 
 
-def exit_on_error(script, error):
+def exit_on_error(script, error, flags=None):
     """End this rank on a UsageError with code 2 and one line: rank 0 says its own; another rank says its own, naming
     itself and its machine, unless rank 0 says the same (an error every rank meets is said once). Under torchrun the
-    error is first recorded in the job's store, where every other rank finds it (watch_failures)."""
+    error is first recorded in the job's store, where every other rank finds it (watch_failures). flags: for a script
+    whose options are not train.py's recipe keys, {recipe key: its option} (val.py: {'data.name': '--data'}), so that
+    a line from the shared data code names what the user typed (utils.general.in_flags)."""
     line, store = error_line(error), _job["store"]
+    line = in_flags(line, flags) if flags else line
     run_failure_actions()
     if store is not None:
         record_failure(store, line)
