@@ -177,6 +177,31 @@ def test_scalar_groups_sort_train_and_val_first_and_results_csv_keeps_its_column
     assert read_results(tmp_path)[0] == COLUMNS
 
 
+def test_results_csv_has_ema_columns_only_with_ema_and_a_resume_keeps_its_rows_and_plot(tmp_path):
+    cfg = load_recipe("cls.yaml")  # no EMA
+    values = {**dict.fromkeys(COLUMNS, 0.5), "confusion": None, "wrong": []}
+    logger = RunLogger(tmp_path, cfg, ["a", "b"])
+    for epoch in (1, 2):
+        logger.log_epoch({**values, "epoch": epoch, "val/ema_loss": None, "val/ema_top1": None}, 10 * epoch)
+    logger.close()
+    plain = [c for c in COLUMNS if not c.startswith("val/ema_")]
+    header, rows = read_results(tmp_path)
+    assert header == plain and [r["epoch"] for r in rows] == ["1", "2"] and "" not in rows[1].values()
+    logger = RunLogger(tmp_path, cfg, ["a", "b"], done=(1, 10))  # resumed after epoch 1: epoch 2 is done again
+    logger.log_epoch({**values, "epoch": 2, "val/top1": 0.25}, 20)
+    logger.close()
+    header, rows = read_results(tmp_path)
+    assert header == plain and [(r["epoch"], r["val/top1"]) for r in rows] == [("1", "0.5"), ("2", "0.25")]
+    assert (tmp_path / "results.png").stat().st_size > 10_000
+    # A results.csv written before: blank val/ema_* columns, which a resume drops, and a row cut short by a kill.
+    older = ",".join(COLUMNS) + "\n" + ",".join("" if "/ema_" in c else "1" if c == "epoch" else "0.5"
+                                                  for c in COLUMNS) + "\n2,0.4\n"
+    (tmp_path / "results.csv").write_text(older)
+    RunLogger(tmp_path, cfg, ["a", "b"], done=(2, 20)).close()
+    header, rows = read_results(tmp_path)
+    assert header == plain and rows == [{c: "1" if c == "epoch" else "0.5" for c in plain}]
+
+
 def test_single_process_on_user_folder_with_few_classes_from_10_class_weights(image_folder, tmp_path, log):
     root = image_folder({"train": {"ant": 6, "bee": 5, "cat": 5}, "test": {"ant": 2, "bee": 3, "cat": 2}})
     torch.save(build_model(OmegaConf.structured(ModelConfig(name="convnet", width=4)), 10).state_dict(),
