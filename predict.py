@@ -168,9 +168,9 @@ def predict(args):
                 rows += labelled_rows(probs, thresholds, [paths[i] for i in indices], classes)
                 continue
             top = probs.topk(k, dim=1)  # with TTA: the mean of the two softmaxes
-            for i, probs, labels in zip(indices, top.values.tolist(), top.indices.tolist()):
+            for i, values, labels in zip(indices, top.values.tolist(), top.indices.tolist()):
                 rows.append({"file": str(paths[i]), "top": [{"class": classes[c], "prob": p}
-                                                            for c, p in zip(labels, probs)]})
+                                                            for c, p in zip(labels, values)]})
     if RANK == 0:  # predict.py shares no work: under torchrun every process classifies every image, one saves
         save_dir = increment_path(Path(args.project) / args.name, mkdir=True)
         k = None if thresholds is not None else k  # multi-label: every label from its threshold, not a top k

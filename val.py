@@ -21,7 +21,6 @@ import json
 from pathlib import Path
 
 import torch
-
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from data.datasets import build_dataloader, named_eval_dataset, skip_unreadable, skipped_message
