@@ -1,6 +1,7 @@
 """Classify images with a checkpoint: the top-k classes and their probabilities for each image, printed and saved as
 CSV and JSON in runs/predict/expN. A multi-label checkpoint gives every class whose probability reaches its threshold
-(the per-class ones train.py chose on val, or --threshold). An unreadable image is named and skipped.
+(the per-class ones train.py chose on val, or --threshold). --save-probs also writes every image's probability of
+every class. An unreadable image is named and skipped.
 
 Usage:
     python predict.py --weights runs/train/exp/weights/best.pt --source photo.jpg
@@ -8,6 +9,7 @@ Usage:
     python predict.py --weights runs/train/exp/weights/best.pt --source 'photos/**/*.jpg'     # a glob
     python predict.py --weights runs/train/exp/weights/best.pt --source photos/ --tta --save-images  # see them
     python predict.py --weights runs/train/exp/weights/best.pt --source photos/ --threshold 0.3   # multi-label
+    python predict.py --weights runs/train/exp/weights/best.pt --source photos/ --save-probs   # probabilities.csv
 """
 
 import argparse
@@ -28,11 +30,12 @@ from models import model_from_checkpoint
 from utils.checkpoint import load_model_checkpoint
 from utils.config import checkpoint_recipe
 from utils.distributed import exit_on_error
-from utils.general import LOGGER, RANK, UsageError, colorstr, cpu_count, format_table, increment_path
+from utils.general import (LOGGER, RANK, UsageError, colorstr, cpu_count, format_table, increment_path,
+                           save_probabilities)
 from utils.plots import THUMBNAIL_SIDE, annotated_image, contact_sheet
 from utils.precision import autocast, inference_precision
 from utils.torch_utils import select_device, set_device
-from utils.multilabel import chosen_thresholds
+from utils.multilabel import chosen_thresholds, threshold_option
 from utils.tta import TTA_NAME, flip_warning, tta_logits
 
 MAX_ROWS_SHOWN = 50  # more predictions are saved but not printed
@@ -50,9 +53,14 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda (GPU LOCAL_RANK), or GPU N as N or cuda:N")
     parser.add_argument("--tta", action="store_true",
                         help="test-time augmentation: the mean softmax of each image and its horizontal flip")
-    parser.add_argument("--threshold", type=float,
-                        help="multi-label: report every class from this probability (default: the checkpoint's "
-                             "per-class thresholds)")
+    parser.add_argument("--threshold", type=threshold_option,
+                        help="multi-label: report every class from this probability, or 'saved' (default): from "
+                             "the per-class thresholds train.py chose on val and saved in the checkpoint, the best "
+                             "guess for new images (its recipe's train.threshold where it saved none)")
+    parser.add_argument("--save-probs", action="store_true",
+                        help="also save every image's probability of every class (softmax; multi-label: sigmoid) "
+                             "in probabilities.csv: file, then a column per class, the images in predictions.csv's "
+                             "order")
     parser.add_argument("--save-images", action="store_true",
                         help="also save each image with its top-k drawn on it (images/) and contact sheets of all")
     parser.add_argument("--project", default="runs/predict", help="results go to project/name")
@@ -141,7 +149,7 @@ def predict(args):
             LOGGER.warning(warning)
     thresholds = None if threshold is None else \
         torch.as_tensor(threshold, dtype=torch.float32, device=device).expand(len(classes))
-    rows, skipped = [], []
+    rows, skipped, all_probs = [], [], []
     with torch.no_grad():
         for images, indices, unreadable in tqdm(loader, desc="predict", disable=None if len(loader) > 1 else True,
                                                 leave=False):
@@ -153,13 +161,16 @@ def predict(args):
             with autocast(device, dtype):
                 images = normalize(images.to(device, non_blocking=True))
                 logits = tta_logits(model, images, thresholds is not None) if args.tta else model(images)
+            probs = logits.float().sigmoid() if thresholds is not None else logits.float().softmax(dim=1)
+            if args.save_probs:
+                all_probs.append(probs.cpu())
             if thresholds is not None:
-                rows += labelled_rows(logits.float().sigmoid(), thresholds, [paths[i] for i in indices], classes)
+                rows += labelled_rows(probs, thresholds, [paths[i] for i in indices], classes)
                 continue
-            top = logits.float().softmax(dim=1).topk(k, dim=1)  # with TTA: the mean of the two softmaxes
-            for i, probs, labels in zip(indices, top.values.tolist(), top.indices.tolist()):
+            top = probs.topk(k, dim=1)  # with TTA: the mean of the two softmaxes
+            for i, values, labels in zip(indices, top.values.tolist(), top.indices.tolist()):
                 rows.append({"file": str(paths[i]), "top": [{"class": classes[c], "prob": p}
-                                                            for c, p in zip(labels, probs)]})
+                                                            for c, p in zip(labels, values)]})
     if RANK == 0:  # predict.py shares no work: under torchrun every process classifies every image, one saves
         save_dir = increment_path(Path(args.project) / args.name, mkdir=True)
         k = None if thresholds is not None else k  # multi-label: every label from its threshold, not a top k
@@ -169,6 +180,10 @@ def predict(args):
         save_results(save_dir, rows, skipped, k, {"weights": str(args.weights), "source": str(args.source),
                                                   "tta": args.tta}, args.save_images)
         files = ["predictions.csv", "predictions.json", *(save_images(save_dir, rows) if args.save_images else [])]
+        if args.save_probs:
+            save_probabilities(save_dir / "probabilities.csv", [r["file"] for r in rows], classes,
+                               torch.cat([torch.zeros(0, len(classes)), *all_probs]))
+            files.append("probabilities.csv")
         LOGGER.info(f"Results saved to {colorstr('bold', str(save_dir))}: {', '.join(files)}")
     return rows, skipped
 

@@ -67,7 +67,7 @@ class TrainState:
     step: int = 0  # steps done in the next epoch
     epoch_loss: tuple = (0.0, 0)  # (summed train loss, samples) of those steps, over all ranks
     logged_loss: tuple = (0.0, 0)  # epoch_loss when the loss was last logged (every train.log_every_steps steps)
-    best_top1: float = -1.0  # the best val score of best_metric so far (named, in checkpoints too, for the default)
+    best_score: float = -1.0  # the best val score of best_metric so far
     best_epoch: int = 0
     best_metric: str = "top1"  # train.best_metric as it applies (config.best_metric): top1, balanced_top1 or map
     ema: torch.optim.swa_utils.AveragedModel | None = None  # EMA of the weights (train.ema_decay), None when off
@@ -98,7 +98,8 @@ class Loop:
 
 
 def parse_args(argv=None):
-    """--recipe NAME or --resume [PATH], and key=value overrides; a --flag that names a recipe key (--epochs 3) is
+    """--recipe NAME or --resume [PATH], --project and --name (the recipe keys project and name, spelled as val.py
+    and predict.py spell them), and key=value overrides; any other --flag that names a recipe key (--epochs 3) is
     refused with the key=value that sets it."""
     parser = argparse.ArgumentParser(description="Train an image classifier from a recipe.", epilog=keys_help(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -106,9 +107,12 @@ def parse_args(argv=None):
     parser.add_argument("--resume", nargs="?", const="", metavar="PATH",
                         help="continue a run exactly: a checkpoint, a run directory, or (no PATH) the newest run "
                              "under project; the recipe comes from the checkpoint")
+    for key, what in (("project", "runs go to PROJECT/NAME"), ("name", "run name, incremented (exp, exp2, ...)")):
+        parser.add_argument(f"--{key}", help=f"the same as the recipe key {key}={key.upper()} (val.py and predict.py "
+                                             f"take --{key} too): {what}")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. optim.lr=0.05")
     words = sys.argv[1:] if argv is None else list(argv)
-    args, unknown = parser.parse_known_args(words)
+    args, unknown = parser.parse_known_intermixed_args(words)  # key=value after a --flag VALUE too
     if hint := flag_as_key(words, unknown):
         raise RecipeError(hint)
     if unknown:
@@ -116,6 +120,11 @@ def parse_args(argv=None):
     if args.resume and "=" in args.resume and not Path(args.resume).exists():  # `--resume key=value`: no PATH
         args.overrides.insert(0, args.resume)
         args.resume = ""
+    for key, value in (("project", args.project), ("name", args.name)):
+        given = [item for item in args.overrides if item.partition("=")[0] == key]
+        if value is not None and given:
+            raise RecipeError(f"--{key} {value} and {given[0]} both set {key}; give one")
+        args.overrides += [] if value is None else [f"{key}={value}"]
     return args
 
 
@@ -212,7 +221,7 @@ def train(cfg, vote, dtype, run_dir=None, resume=None):
     if logger:
         logger.close()
         LOGGER.info(next_steps(run_dir, state, time.time() - start, held_out_folder(train_set, val_set), started_at))
-    return state.best_top1
+    return state.best_score
 
 
 def build_state(cfg, num_classes, device, dtype, steps, pretrained=True):

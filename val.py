@@ -1,7 +1,8 @@
 """Validate a checkpoint: top-1, balanced top-1 (mean per-class recall), top-5, loss, per-class precision, recall
 and top-5 accuracy, and the confusion matrix, as one process or many under torchrun (every image is counted exactly
-once). A multi-label checkpoint: mAP and per-class AP, and F1, precision, recall and exact match at its per-class
-thresholds (chosen on val by train.py) or at --threshold.
+once). A multi-label checkpoint: mAP and per-class AP, and F1, precision, recall and exact match at its recipe's
+train.threshold, as training logged them, or at --threshold (a probability, or 'saved': the per-class thresholds
+train.py chose on val). --save-probs writes every image's probability of every class.
 
 The checkpoint carries its class names and its recipe's preprocessing, so no recipe is needed.
 
@@ -9,7 +10,9 @@ Usage:
     python val.py --weights runs/train/exp/weights/best.pt
     torchrun --nproc_per_node=2 val.py --weights runs/train/exp/weights/best.pt --split train
     python val.py --weights runs/train/exp/weights/best.pt --tta      # each image and its horizontal flip
-    python val.py --weights runs/train/exp/weights/best.pt --threshold 0.5     # multi-label: one for all classes
+    python val.py --weights runs/train/exp/weights/best.pt --threshold 0.3     # multi-label: one for all classes
+    python val.py --weights runs/train/exp/weights/best.pt --threshold saved   # multi-label: the saved per-class
+    python val.py --weights runs/train/exp/weights/best.pt --save-probs        # probabilities.csv
 """
 
 import argparse
@@ -17,6 +20,7 @@ import csv
 import json
 from pathlib import Path
 
+import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from data.datasets import build_dataloader, named_eval_dataset, skip_unreadable, skipped_message
@@ -27,9 +31,10 @@ from utils.checkpoint import load_model_checkpoint, position
 from utils.config import checkpoint_recipe
 from utils.distributed import (cleanup_distributed, exit_on_error, on_rank0, setup_distributed,
                                stop_if_another_rank_failed)
-from utils.general import LOGGER, RANK, WORLD_SIZE, UsageError, colorstr, format_table, increment_path, short_path
+from utils.general import (LOGGER, RANK, WORLD_SIZE, UsageError, colorstr, format_table, increment_path,
+                           save_probabilities, short_path)
 from utils.metrics import evaluate, per_class
-from utils.multilabel import chosen_thresholds, evaluate_multilabel
+from utils.multilabel import SAVED, chosen_thresholds, evaluate_multilabel, threshold_option
 from utils.plots import confusion_figure, save_figure
 from utils.precision import inference_precision
 from utils.torch_utils import select_device, set_device, set_threads
@@ -51,9 +56,14 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda (GPU LOCAL_RANK), or GPU N as N or cuda:N")
     parser.add_argument("--tta", action="store_true",
                         help="test-time augmentation: the mean softmax of each image and its horizontal flip")
-    parser.add_argument("--threshold", type=float,
-                        help="multi-label: count a label from this probability, for every class (default: the "
-                             "checkpoint's per-class thresholds)")
+    parser.add_argument("--threshold", type=threshold_option,
+                        help="multi-label: count a label from this probability, for every class, or 'saved': from "
+                             "the per-class thresholds train.py chose on val and saved in the checkpoint (on the "
+                             "val split, chosen on these same images, so optimistic) (default: the recipe's "
+                             "train.threshold, as training logged its figures)")
+    parser.add_argument("--save-probs", action="store_true",
+                        help="also save every image's probability of every class (softmax; multi-label: sigmoid) "
+                             "in probabilities.csv: file, labels (the true ones), then a column per class")
     parser.add_argument("--project", default="runs/val", help="results go to project/name")
     parser.add_argument("--name", default="exp", help="run name, incremented (exp, exp2, ...) when taken")
     return parser.parse_args(argv)
@@ -83,7 +93,9 @@ def validate(args):
     ckpt = on_rank0(load_model_checkpoint, args.weights)  # read once, shared: other machines need no copy
     args.weights = ckpt["path"]  # a run directory's weights/best.pt
     cfg, classes = checkpoint_recipe(ckpt["recipe"], args.weights), ckpt["classes"]
-    threshold, threshold_from = chosen_thresholds(args.threshold, ckpt, cfg, args.weights)  # multi-label only
+    threshold, threshold_from = chosen_thresholds(args.threshold, ckpt, cfg, args.weights, "recipe")  # multi-label
+    if args.threshold == SAVED and isinstance(threshold, list) and args.split == "val" and args.data is None:
+        threshold_from += ": chosen on these same images, so the figures at them are optimistic"
     device = select_device(args.device, key="--device")
     set_device(device)
     precision, dtype = inference_precision(args.precision, cfg.train.precision, device)
@@ -106,22 +118,25 @@ def validate(args):
                 f"batch {batch_size}, {precision}{f'; TTA: {TTA_NAME}' if args.tta else ''}")
     if args.tta and (warning := flip_warning(cfg.data.hflip, args.weights)) and RANK == 0:  # prints on every rank
         LOGGER.warning(warning)
-    facts = {"weights": str(args.weights), "epoch": ckpt["epoch"], "step": ckpt["step"], "data": str(dataset.root),
-             "processes": WORLD_SIZE, "batch_size": batch_size, "precision": precision, "tta": args.tta}
+    run = {"weights": str(args.weights), "epoch": ckpt["epoch"], "step": ckpt["step"], "data": str(dataset.root),
+           "processes": WORLD_SIZE, "batch_size": batch_size, "precision": precision, "tta": args.tta}
     if cfg.data.multilabel:
-        facts["thresholds"] = threshold_from
+        run["thresholds"] = threshold_from
         LOGGER.info(f"{colorstr('val:')} multi-label: F1, precision, recall and exact match at thresholds "
                     f"{threshold_from}")
         metrics = evaluate_multilabel(model, loader, normalizer(cfg.data, device), len(classes), device, dtype,
                                       threshold, args.tta)
         report_fn, save_fn = report_multilabel, save_multilabel_results
     else:
-        metrics = evaluate(model, loader, normalizer(cfg.data, device), len(classes), device, dtype, tta=args.tta)
+        metrics = evaluate(model, loader, normalizer(cfg.data, device), len(classes), device, dtype, tta=args.tta,
+                           keep_probs=args.save_probs)
         report_fn, save_fn = report, save_results
     if RANK == 0:
         save_dir = increment_path(Path(args.project) / args.name, mkdir=True)
         LOGGER.info(report_fn(metrics, classes))
-        files = save_fn(save_dir, metrics, classes, facts)
+        files = save_fn(save_dir, metrics, classes, run)
+        if args.save_probs:
+            files.append(save_probs(save_dir, dataset, loader.sampler, metrics, classes))
         LOGGER.info(f"Results saved to {colorstr('bold', str(save_dir))}: {', '.join(files)}")
     return metrics
 
@@ -152,12 +167,11 @@ def report_multilabel(metrics, classes):
     return f"{overall}\n" + format_table(header, rows)
 
 
-def save_multilabel_results(save_dir, metrics, classes, facts):
-    """A multi-label model's metrics.json and per_class.csv (support, AP, precision, recall and F1 at the
-    thresholds used, and each class's threshold maximising F1 on this split); returns the names of the files."""
-    summary = {name: metrics[f"val/{name}"] for name in ("map", "f1", "precision", "recall", "exact_match", "loss")}
-    (save_dir / "metrics.json").write_text(json.dumps({**summary, "images": metrics["val/samples"], **facts},
-                                                      indent=2) + "\n")
+def save_multilabel_results(save_dir, metrics, classes, run):
+    """A multi-label model's metrics.json (save_summary) and per_class.csv (support, AP, precision, recall and F1
+    at the thresholds used, and each class's threshold maximising F1 on this split); returns the names of the
+    files."""
+    save_summary(save_dir, metrics, ("map", "f1", "precision", "recall", "exact_match", "loss"), run)
     with open(save_dir / "per_class.csv", "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(["class", "support", "ap", "precision", "recall", "f1", "best_threshold"])
@@ -166,17 +180,35 @@ def save_multilabel_results(save_dir, metrics, classes, facts):
     return ["metrics.json", "per_class.csv"]
 
 
+def save_summary(save_dir, metrics, names, run):
+    """metrics.json: each metric of names under its own name, 'images', and under 'run' how it was measured
+    (weights, data, processes, precision, ...): apart, so that no detail of the run can take a metric's name."""
+    summary = {**{name: metrics[f"val/{name}"] for name in names}, "images": metrics["val/samples"], "run": run}
+    (save_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def save_probs(save_dir, dataset, sampler, metrics, classes):
+    """probabilities.csv (utils.general.save_probabilities) of every image of the dataset, in its order (files as it
+    lists them, else their indices), with its true label(s); returns its name."""
+    ids = sampler.gathered_ids()  # the gathered rows are every rank's share in turn
+    probs, targets = torch.empty_like(metrics["probs"]), torch.empty_like(metrics["targets"])
+    probs[ids], targets[ids] = metrics["probs"], metrics["targets"]
+    labels = [classes[c] for c in targets.tolist()] if targets.dim() == 1 else \
+        ["|".join(classes[c] for c in row.nonzero().flatten().tolist()) for row in targets]
+    files = [path for path, _ in dataset.samples] if hasattr(dataset, "samples") else range(len(probs))
+    save_probabilities(save_dir / "probabilities.csv", files, classes, probs, labels)
+    return "probabilities.csv"
+
+
 def fmt(value):
     """A share to three decimals, '-' for None."""
     return "-" if value is None else f"{value:.3f}"
 
 
-def save_results(save_dir, metrics, classes, facts):
-    """metrics.json, per_class.csv, and the confusion matrix (when kept) as CSV (counts) and PNG (rows
+def save_results(save_dir, metrics, classes, run):
+    """metrics.json (save_summary), per_class.csv, and the confusion matrix (when kept) as CSV (counts) and PNG (rows
     normalised); returns the names of the files written."""
-    summary = {"top1": metrics["val/top1"], "balanced_top1": metrics["val/balanced_top1"], "top5": metrics["val/top5"],
-               "loss": metrics["val/loss"], "images": metrics["val/samples"], **facts}
-    (save_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
+    save_summary(save_dir, metrics, ("top1", "balanced_top1", "top5", "loss"), run)
     with open(save_dir / "per_class.csv", "w", newline="", encoding="utf-8") as f:  # class names in any script
         writer = csv.writer(f)
         writer.writerow(["class", "images", "precision", "recall", "top5"])

@@ -25,13 +25,15 @@ from data.mix import batch_mixer
 from data.multilabel import check_task, positive_weights, write_multidigits
 from data.shard_sets import describe, eval_shards, shard_datasets
 from data.sampler import BalancedSampler, DistributedShuffleSampler, SeededSamples, seed_hash
-from data.transforms import crop_spec, train_transforms, val_transforms
+from data.transforms import crop_spec, train_transforms, val_size, val_transforms
 from data.verify import UNREADABLE, decode, unreadable_images, unreadable_reason
 from utils.checkpoint import run_dir_of
 from utils.config import names_shards
 from utils.distributed import on_rank0
 from utils.general import LOGGER, RANK, WORLD_SIZE, DatasetError, ImageError, colorstr, short_path
 from utils.waiting import once_per_machine
+
+LARGE_IMAGES = 2  # training images whose median shorter side is this many times the size the model sees are said
 
 
 def write_digits(root):
@@ -289,8 +291,11 @@ def training_datasets(cfg, seed, saved_in=None, device=torch.device("cpu")):
 def training_data(cfg, device, workers, saved_in=None):
     """A recipe's (train_set, val_set, train_loader, val_loader, mix): the datasets (training_datasets), MixUp and
     CutMix (None unless on), and loaders over this rank's shares with `workers` workers each (see build_dataloader).
-    saved_in: a resumed run's directory, whose data.val_split split is reused."""
+    saved_in: a resumed run's directory, whose data.val_split split is reused. Rank 0 says when the training images
+    are much larger than the model sees them (large_images_note)."""
     train_set, val_set = training_datasets(cfg.data, cfg.seed, saved_in, device)
+    if RANK == 0 and (note := large_images_note(train_set, cfg.data)):
+        LOGGER.warning(note)
     mix = batch_mixer(cfg.data, len(train_set.classes), cfg.seed)
     check_shareable(train_set, WORLD_SIZE, cfg.train.batch_size, cfg.data.drop_last, pairs=mix is not None)
     train_loader = build_dataloader(train_set, cfg.train.batch_size, True, cfg.seed, workers, device,
@@ -298,6 +303,45 @@ def training_data(cfg, device, workers, saved_in=None):
                                     balanced=cfg.data.sampler == "balanced")
     val_loader = build_dataloader(val_set, cfg.train.batch_size, False, cfg.seed, workers, device)
     return train_set, val_set, train_loader, val_loader, mix
+
+
+def large_images_note(dataset, cfg, sample=64):
+    """The line for training images whose median shorter side is LARGE_IMAGES times the larger of data.img_size
+    and data.val_img_size or more (56 px images at the recipe's 16 px), else None: they are scaled down to it, which
+    may be meant (photos at 224 px) but is easily missed. The sizes come from the cache's decode (or a shard index)
+    where there is one, else from the headers of up to `sample` of the image files (no decoding); None where
+    neither is at hand (CIFAR's arrays)."""
+    sides = shorter_sides(dataset, sample)
+    seen = max(cfg.img_size, val_size(cfg))
+    if sides is None or not len(sides) or np.median(sides) < LARGE_IMAGES * seen:
+        return None
+    median = int(np.median(sides))
+    return (f"{colorstr('data:')} the training images are much larger than the model sees them: median shorter "
+            f"side {median} px, scaled down to data.img_size={cfg.img_size} (val: {val_size(cfg)} px); raise "
+            f"data.img_size to train on more of their detail")
+
+
+def shorter_sides(dataset, sample=64):
+    """The shorter sides of a training set's images, before cropping: every one where a cache or shard index holds
+    their sizes, else those of up to `sample` image files spread over the set, read from their headers; None where
+    neither is at hand."""
+    sizes = getattr(dataset, "sizes", None)
+    if sizes is None and hasattr(dataset, "split"):  # a shard set's index
+        sizes = getattr(dataset.split, "sizes", None)
+    padded = getattr(getattr(dataset, "spec", None), "padding", 0)  # RamImages stored padded crops' images resized
+    if sizes is not None and not padded:
+        return sizes.min(1).values.numpy()
+    samples = getattr(dataset, "samples", None)
+    if not samples:
+        return None
+    sides = []
+    for path, _ in samples[:: max(1, len(samples) // sample)][:sample]:
+        try:
+            with Image.open(path) as image:  # the header alone: nothing is decoded
+                sides.append(min(image.size))
+        except UNREADABLE:  # said where the image is read
+            continue
+    return np.array(sides)
 
 
 def input_feed(cfg, device):

@@ -77,6 +77,12 @@ class DistributedShuffleSampler(Sampler):
         positions = (groups[:, None] * self.group + torch.arange(self.group)).flatten()
         return order[positions[positions < len(order)]]
 
+    def gathered_ids(self):
+        """The sample ids of every rank's share of the epoch, in rank order: what all_gather_rows of per-sample rows
+        (validation's probabilities) holds, row by row."""
+        order = self.permutation()
+        return torch.cat([self.share(order, rank) for rank in range(self.world_size)])
+
     def __len__(self):
         return max(0, self.share_size(self.rank) - self.start_step * self.batch_size // self.world_size)
 

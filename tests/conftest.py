@@ -137,6 +137,38 @@ def console_lines(output, start):
     return [line for line in output.splitlines() if line.startswith(start)]
 
 
+FIGURE_NAMES = {"mAP": "map", "F1": "f1", "precision": "precision", "recall": "recall", "exact match": "exact_match",
+                "balanced top-1": "balanced_top1", "top-1": "top1", "top-5": "top5", "loss": "loss"}
+
+
+def printed_figures(text):
+    """val.py's headline as printed ('mAP 97.12%  F1 ...  loss 0.1234  (9 images)'): {metrics.json's name: the
+    figure as printed}, with 'images'."""
+    import re
+
+    line = next(line for line in text.splitlines() if re.search(r"\(\d+ images\)$", line))
+    figures = {FIGURE_NAMES[name]: value for name, value in
+               re.findall(r"(mAP|F1|precision|recall|exact match|balanced top-1|top-1|top-5|loss) (\d+\.\d+%?)", line)}
+    return {**figures, "images": re.search(r"\((\d+) images\)$", line)[1]}
+
+
+def check_metrics_json(folder, text, run):
+    """Every key of val.py's metrics.json in folder: each metric is the figure printed in text (as printed: to two
+    decimals of a percent, the loss to four), 'images' the count printed, and 'run' exactly run. Returns it."""
+    import json
+
+    summary = json.loads((Path(folder) / "metrics.json").read_text())
+    printed = printed_figures(text)
+    unprinted = {name for name, value in summary.items() if value is None}  # top-5 with fewer than 5 classes
+    assert set(summary) - unprinted == {*printed, "run"}, (sorted(summary), sorted(printed))
+    for name, shown in printed.items():
+        value = summary[name]
+        assert (str(value) if name == "images" else f"{value:.4f}" if name == "loss" else f"{value:.2%}") == shown, \
+            name
+    assert summary["run"] == run
+    return summary
+
+
 def read_results(run_dir):
     """results.csv of a run: (header, rows as dicts)."""
     with open(run_dir / "results.csv") as f:

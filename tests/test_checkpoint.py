@@ -248,3 +248,17 @@ def test_the_rescheduled_lr_is_said_by_rank_0_alone(monkeypatch, log):
     monkeypatch.setattr(utils.checkpoint, "RANK", 0)
     utils.checkpoint.warn_of_a_rescheduled_lr("last.pt", ckpt, 2, 0.05)
     assert "the run was planned for 4" in log.text
+
+
+def test_checkpoints_name_the_best_score_and_its_metric_and_an_older_best_top1_still_resumes(tmp_path):
+    cfg = load_recipe("cls.yaml", ["model.width=4", "train.best_metric=balanced_top1"])
+    state = train_state(cfg)
+    state.best_score, state.best_epoch, state.best_metric = 0.75, 1, "balanced_top1"
+    ckpt = saved_state(state, cfg, tmp_path / "last.pt")
+    assert (ckpt["best_score"], ckpt["best_metric"], ckpt["best_epoch"]) == (0.75, "balanced_top1", 1)
+    assert "best_top1" not in ckpt
+    ckpt["best_top1"] = ckpt.pop("best_score")  # as checkpoints were saved before best_score
+    del ckpt["best_metric"]
+    resumed = train_state(cfg)
+    restore(resumed, tmp_path / "last.pt", ckpt, ["a", "b"], cfg.train.epochs)
+    assert (resumed.best_score, resumed.best_epoch, resumed.epoch, resumed.step) == (0.75, 1, 1, 3)

@@ -102,3 +102,25 @@ def test_every_process_needs_a_training_image(image_folder):
     check_shareable(train, world_size=2, pairs=True)
     with pytest.raises(DatasetError, match=r"cannot be shared by 3 processes; each needs at least a pair"):
         check_shareable(train, world_size=3, pairs=True)
+
+
+@pytest.mark.parametrize("cache", ["none", "ram"])  # sizes from the files' headers, or from the RAM cache's decode
+def test_training_images_much_larger_than_data_img_size_are_said_in_one_line(image_folder, log, cache):
+    from data.datasets import training_data
+    from utils.config import load_recipe
+
+    large = image_folder({"train": {"a": 3, "b": 3}, "val": {"a": 1, "b": 1}}, size=40)
+    cfg = load_recipe("cls.yaml", [f"data.name={large}", f"data.cache={cache}"])  # data.img_size=8
+    training_data(cfg, torch.device("cpu"), 0)
+    lines = [line for line in log.text.splitlines() if "much larger" in line]
+    assert len(lines) == 1 and lines[0].endswith(
+        "the training images are much larger than the model sees them: median shorter side 40 px, scaled down to "
+        "data.img_size=8 (val: 8 px); raise data.img_size to train on more of their detail")
+    log.clear()
+    training_data(load_recipe("cls.yaml", [f"data.name={large}", f"data.cache={cache}", "data.img_size=20"]),
+                  torch.device("cpu"), 0)  # 40 px is twice 20 px
+    assert "much larger" in log.text
+    log.clear()
+    training_data(load_recipe("cls.yaml", [f"data.name={large}", f"data.cache={cache}", "data.img_size=21"]),
+                  torch.device("cpu"), 0)
+    assert "much larger" not in log.text

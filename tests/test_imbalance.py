@@ -151,16 +151,17 @@ def test_balanced_training_at_two_processes_is_what_one_trains_up_to_float_round
 
 def test_balanced_top1_is_in_results_csv_exact_across_ranks_and_picks_best_pt(runs, tmp_path):
     header, rows = read_results(runs["n2"])
-    assert "val/balanced_top1" in header and "val/ema_balanced_top1" in header
+    assert "val/balanced_top1" in header and "val/ema_balanced_top1" not in header  # no EMA in this recipe
     best = load_checkpoint(runs["n2"] / "weights" / "best.pt")
     scores = [float(r["val/balanced_top1"]) for r in rows]
     assert best["epoch"] == scores.index(max(scores)) + 1
-    assert f"{best['best_top1']:.6g}" == rows[best["epoch"] - 1]["val/balanced_top1"]  # best_top1: the best score
+    assert f"{best['best_score']:.6g}" == rows[best["epoch"] - 1]["val/balanced_top1"]
+    assert best["best_metric"] == "balanced_top1"
     # One process re-counting best.pt's val set finds the score the two ranks counted together, to the last bit.
     metrics = val.main(["--weights", str(runs["n2"] / "weights" / "best.pt"), "--project", str(tmp_path)])
-    assert metrics["val/balanced_top1"] == best["best_top1"] and metrics["val/balanced_top1"] != metrics["val/top1"]
+    assert metrics["val/balanced_top1"] == best["best_score"] and metrics["val/balanced_top1"] != metrics["val/top1"]
     summary = json.loads((tmp_path / "exp" / "metrics.json").read_text())
-    assert summary["balanced_top1"] == best["best_top1"]
+    assert summary["balanced_top1"] == best["best_score"]
 
 
 # Per epoch: (top1, balanced_top1, ema_top1, ema_balanced_top1), given to end_epoch in place of the measured ones.
@@ -186,7 +187,7 @@ def test_best_pt_and_patience_follow_train_best_metric(image_folder, tmp_path, m
     assert len(rows) == stopped_after and best == score
     assert [float(r["val/ema_balanced_top1"]) for r in rows] == [row[3] for row in SCRIPT[:stopped_after]]
     ckpt = load_checkpoint(tmp_path / "exp" / "weights" / "best.pt")
-    assert (ckpt["epoch"], ckpt["model_source"], ckpt["best_top1"]) == (best_epoch, source, score)
+    assert (ckpt["epoch"], ckpt["model_source"], ckpt["best_score"]) == (best_epoch, source, score)
     assert (f"Stopping early after epoch {stopped_after}: no better {words} in 2 epochs (train.patience); the best, "
             f"{score:.2%}, was at epoch {best_epoch}") in log.text
     assert f"Best {words} {score:.2%} at epoch {best_epoch}: " in log.text

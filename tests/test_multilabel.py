@@ -17,8 +17,8 @@ import export
 import predict
 import train
 import val
-from conftest import (launch_n_invariance, make_image_folder, read_results, rounding_tolerances, run_python,
-                      run_torchrun, run_weights, step_losses)
+from conftest import (check_metrics_json, launch_n_invariance, make_image_folder, read_results, rounding_tolerances,
+                      run_python, run_torchrun, run_weights, step_losses)
 from data.layouts import csv_dataset
 from data.mix import batch_mixer
 from data.multilabel import positive_weights
@@ -211,19 +211,25 @@ def test_metrics_of_images_without_labels_or_of_broken_weights_are_one_line():
         multilabel_metrics(np.full((2, 3), np.nan, np.float32), np.ones((2, 3)))
 
 
-def test_val_and_predict_count_labels_from_threshold_then_checkpoint_then_recipe():
+def test_val_counts_labels_from_the_recipes_threshold_and_predict_from_the_saved_ones_unless_told():
     from utils.general import UsageError
     from utils.multilabel import chosen_thresholds
 
     multi, single = (OmegaConf.create({"data": {"multilabel": m}, "train": {"threshold": 0.4}}) for m in (True, False))
     saved = {"thresholds": [0.2, 0.7]}
-    assert chosen_thresholds(0.3, saved, multi, "w.pt") == (0.3, "--threshold 0.3 for every class")
-    assert chosen_thresholds(None, saved, multi, "w.pt")[0] == [0.2, 0.7]
-    assert chosen_thresholds(None, {"thresholds": None}, multi, "w.pt") == (
-        0.4, "train.threshold=0.4 for every class (none saved per class)")
-    assert chosen_thresholds(None, {}, single, "w.pt") == (None, None)
+    for default in ("saved", "recipe"):
+        assert chosen_thresholds(0.3, saved, multi, "w.pt", default) == (0.3, "--threshold 0.3 for every class")
+        assert chosen_thresholds("saved", saved, multi, "w.pt", default) == (
+            [0.2, 0.7], "per class, as saved by train.py (each maximised its class's F1 on val)")
+        assert chosen_thresholds(None, {}, single, "w.pt", default) == (None, None)
+    assert chosen_thresholds(None, saved, multi, "w.pt")[0] == [0.2, 0.7]  # predict.py's default
+    assert chosen_thresholds(None, saved, multi, "w.pt", "recipe") == (0.4, "train.threshold=0.4 for every class")
+    assert chosen_thresholds("saved", {"thresholds": None}, multi, "w.pt") == (
+        0.4, "train.threshold=0.4 for every class (the checkpoint saved none per class)")
     with pytest.raises(UsageError, match=r"--threshold 0.5: w.pt is a single-label checkpoint \(one class per image\)"):
         chosen_thresholds(0.5, {}, single, "w.pt")
+    with pytest.raises(UsageError, match=r"--threshold saved: w.pt is a single-label checkpoint"):
+        chosen_thresholds("saved", {}, single, "w.pt")
     with pytest.raises(UsageError, match=r"--threshold 1.0: must be a probability in \(0, 1\)"):
         chosen_thresholds(1.0, saved, multi, "w.pt")
 
@@ -241,10 +247,27 @@ def test_map_f1_exact_match_and_thresholds_match_a_hand_checked_case():
     assert m["per_class"][2][:5] == (0, None, 0.0, None, None)
     assert m["val/f1"] == pytest.approx((0.8 + 2 / 3) / 2) and m["val/precision"] == pytest.approx((2 / 3 + 0.5) / 2)
     assert m["val/exact_match"] == 0.25  # image 0 alone has all its labels right
-    # Best F1 per class: 0.8 at 0.7 for class 0, 2/3 from 0.6 for class 1; class 2 keeps the given threshold.
-    assert m["thresholds"] == pytest.approx([0.7, 0.6, 0.5])
+    # Best F1 per class: 0.8 from 0.7 for class 0, 2/3 from 0.6 for class 1, each threshold halfway to the next lower
+    # score (0.1 and 0.4), not on a score; class 2 keeps the given threshold.
+    assert m["thresholds"] == pytest.approx([0.4, 0.5, 0.5])
     per_class = multilabel_metrics(probs, targets, m["thresholds"])
     assert per_class["val/f1"] == pytest.approx((0.8 + 2 / 3) / 2) and per_class["val/exact_match"] == 0.25
+
+
+def test_thresholds_lie_between_scores_so_a_change_of_1e_6_flips_no_label():
+    rng = np.random.default_rng(0)
+    probs = (rng.permutation(999)[:800].reshape(200, 4) / 1000 + 1e-3).astype(np.float32)  # untied, 1e-3 apart
+    targets = rng.random((200, 4)) < probs  # the likelier the more often labelled
+    chosen = multilabel_metrics(probs, targets)["thresholds"]
+    for seed in range(3):
+        moved = probs + np.random.default_rng(seed).uniform(-1e-6, 1e-6, probs.shape).astype(np.float32)
+        assert ((moved >= np.float32(chosen)) == (probs >= np.float32(chosen))).all()  # no label cell flips
+        again = multilabel_metrics(moved, targets, chosen)
+        assert again["val/f1"] == multilabel_metrics(probs, targets, chosen)["val/f1"]
+        assert multilabel_metrics(moved, targets)["thresholds"] == pytest.approx(chosen, abs=1e-5)
+    for c, threshold in enumerate(chosen):  # halfway between the lowest score labelled and the highest one not
+        assert threshold == pytest.approx((probs[probs[:, c] >= threshold, c].min() +
+                                           probs[probs[:, c] < threshold, c].max()) / 2)
 
 
 # --- single- against multi-label ----------------------------------------------------------------------------------
@@ -344,7 +367,7 @@ def test_a_stopped_multilabel_run_resumes_to_bit_identical_weights_metrics_and_t
         for key in ("model", "ema"):
             assert all(torch.equal(ours[key][k], theirs[key][k]) for k in theirs[key])
         assert ours["thresholds"] == theirs["thresholds"] and len(ours["thresholds"]) == 3
-        assert ours["best_top1"] == theirs["best_top1"]  # the best mAP
+        assert ours["best_score"] == theirs["best_score"] and ours["best_metric"] == "map"
     time = {"time/epoch", "time/img_s"}
     rows = [[{k: v for k, v in r.items() if k not in time} for r in read_results(run)[1]]
             for run in (stopped, straight)]
@@ -368,31 +391,70 @@ def test_tensorboard_holds_map_per_class_ap_and_pr_curves_and_results_png_is_dra
     assert (run / "results.png").stat().st_size > 10_000
 
 
-def test_val_py_reproduces_training_and_counts_each_image_once_at_two_processes(resumed, tmp_path):
+def forward_probs(weights, files):
+    """The sigmoid of the checkpoint's model on each image file, prepared as val.py and predict.py prepare it."""
+    ckpt = load_checkpoint(weights)
+    cfg = checkpoint_recipe(ckpt["recipe"], weights)
+    model = model_from_checkpoint(ckpt, cfg, weights)
+    transform, normalize = val_transforms(cfg.data), normalizer(cfg.data, torch.device("cpu"))
+    with torch.no_grad():
+        return model(normalize(torch.stack([transform(decode(f)) for f in files]))).sigmoid()
+
+
+def read_probabilities(path):
+    """probabilities.csv: (header, rows as lists)."""
+    with open(path, newline="") as f:
+        header, *rows = list(csv.reader(f))
+    return header, rows
+
+
+def test_val_py_reproduces_training_at_train_threshold_and_counts_each_image_once_at_two_processes(resumed, tmp_path,
+                                                                                                    log):
     data, run, _ = resumed
     weights = run / "weights" / "last.pt"
-    _, rows = read_results(run)
-    at_half = val.main(["--weights", str(weights), "--threshold", "0.5", "--project", str(tmp_path), "--name", "a"])
-    for key in ("val/map", "val/f1", "val/precision", "val/recall", "val/exact_match"):
-        assert at_half[key] == pytest.approx(float(rows[-1][key]), abs=1e-6), key
     ckpt = load_checkpoint(weights)
-    chosen = val.main(["--weights", str(weights), "--project", str(tmp_path), "--name", "b"])  # per-class thresholds
+    _, rows = read_results(run)
+    default = val.main(["--weights", str(weights), "--project", str(tmp_path), "--name", "a", "--save-probs"])
+    for key in ("val/map", "val/f1", "val/precision", "val/recall", "val/exact_match"):  # at train.threshold=0.5
+        assert f"{default[key]:.6g}" == rows[-1][key], key
+    details = {"weights": str(weights), "epoch": 2, "step": 0, "data": str(data), "processes": 1, "batch_size": 12,
+               "precision": "fp32", "tta": False}
+    check_metrics_json(tmp_path / "a", log.text, {**details, "thresholds": "train.threshold=0.5 for every class"})
+    assert "multi-label: F1, precision, recall and exact match at thresholds train.threshold=0.5 for every class" in \
+        log.text
+    header, table = read_probabilities(tmp_path / "a" / "probabilities.csv")
+    with open(data / "val.csv") as f:
+        listed = list(csv.DictReader(f))
+    assert header == ["file", "labels", *CLASSES] and len(table) == 9
+    assert [(r[0], r[1]) for r in table] == [(str(data / r["path"]), r["labels"]) for r in listed]  # val.csv's order
+    expected = forward_probs(weights, [r[0] for r in table])
+    assert torch.allclose(torch.tensor([[float(p) for p in r[2:]] for r in table]), expected, atol=1e-6)
+    log.clear()
+    chosen = val.main(["--weights", str(weights), "--threshold", "saved", "--project", str(tmp_path), "--name", "b"])
+    saved_from = ("per class, as saved by train.py (each maximised its class's F1 on val): chosen on these same "
+                  "images, so the figures at them are optimistic")
+    assert f"at thresholds {saved_from}" in log.text
+    check_metrics_json(tmp_path / "b", log.text, {**details, "thresholds": saved_from})
     expected = multilabel_metrics(chosen["probs"].numpy(), chosen["targets"].numpy(), ckpt["thresholds"])
-    assert chosen["val/f1"] == expected["val/f1"] and chosen["val/f1"] >= at_half["val/f1"]
+    assert chosen["val/f1"] == expected["val/f1"] and chosen["val/f1"] >= default["val/f1"]
     assert [r[5] for r in chosen["per_class"]] == pytest.approx(ckpt["thresholds"])  # chosen on this same split
     best = run / "weights" / "best.pt"
     measured = val.main(["--weights", str(best), "--project", str(tmp_path), "--name", "best"])
     assert [r[5] for r in measured["per_class"]] == pytest.approx(load_checkpoint(best)["thresholds"])
     with open(tmp_path / "b" / "per_class.csv") as f:
-        table = list(csv.DictReader(f))
-    assert [r["class"] for r in table] == CLASSES
-    assert [int(r["support"]) for r in table] == chosen["targets"].sum(0).tolist()
-    result = run_torchrun("val.py", "--weights", weights, "--project", tmp_path, "--name", "two", nproc=2)
+        per_class = list(csv.DictReader(f))
+    assert [r["class"] for r in per_class] == CLASSES
+    assert [int(r["support"]) for r in per_class] == chosen["targets"].sum(0).tolist()
+    result = run_torchrun("val.py", "--weights", weights, "--project", tmp_path, "--name", "two", "--save-probs",
+                          nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
-    two = json.loads((tmp_path / "two" / "metrics.json").read_text())
-    assert two["images"] == 9 and two["processes"] == 2
+    two = check_metrics_json(tmp_path / "two", result.stdout, {**details, "processes": 2,
+                                                               "thresholds": "train.threshold=0.5 for every class"})
     for key in ("map", "f1", "exact_match"):
-        assert two[key] == pytest.approx(chosen[f"val/{key}"], abs=1e-6)
+        assert two[key] == pytest.approx(default[f"val/{key}"], abs=1e-6)
+    _, shared = read_probabilities(tmp_path / "two" / "probabilities.csv")  # each rank's rows back in the files' order
+    assert [r[:2] for r in shared] == [r[:2] for r in table]
+    assert np.allclose(np.array([r[2:] for r in shared], float), np.array([r[2:] for r in table], float), atol=1e-6)
     single = make_image_folder(tmp_path / "single", {"val": {"blue": 1}})
     result = run_python("val.py", "--weights", weights, "--data", single)
     assert result.returncode == 2 and f"data.multilabel=true, but data.name={single} has one label per image" in \
@@ -404,7 +466,7 @@ def test_predict_lists_every_label_from_its_threshold_and_export_outputs_probabi
     weights = run / "weights" / "best.pt"
     ckpt = load_checkpoint(weights)
     rows, _ = predict.main(["--weights", str(weights), "--source", str(data / "val"), "--project", str(tmp_path),
-                            "--save-images", "--workers", "0"])
+                            "--save-images", "--workers", "0", "--save-probs", "--batch-size", "4"])
     cfg = checkpoint_recipe(ckpt["recipe"], weights)
     model = model_from_checkpoint(ckpt, cfg, weights)
     with open(tmp_path / "exp" / "predictions.csv") as f:
@@ -420,6 +482,10 @@ def test_predict_lists_every_label_from_its_threshold_and_export_outputs_probabi
         assert saved["labels"] == "|".join(CLASSES[c] for c in expected)
         assert [float(p) for p in saved["probs"].split("|") if p] == pytest.approx([probs[c] for c in expected],
                                                                                      rel=1e-4)
+    header, table = read_probabilities(tmp_path / "exp" / "probabilities.csv")  # every class's, in the rows' order
+    assert header == ["file", *CLASSES] and [r[0] for r in table] == [r["file"] for r in rows]
+    expected = forward_probs(weights, [r["file"] for r in rows])
+    assert torch.allclose(torch.tensor([[float(p) for p in r[1:]] for r in table]), expected, atol=1e-6)
     low, _ = predict.main(["--weights", str(weights), "--source", str(data / "val"), "--project", str(tmp_path),
                            "--threshold", "0.000001", "--workers", "0"])
     assert all(len(r["labels"]) == 3 for r in low)
@@ -447,7 +513,7 @@ def test_best_pt_holds_the_thresholds_of_the_weights_it_holds(tmp_path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     state = SimpleNamespace(model=model, optimizer=optimizer, scaler=torch.amp.GradScaler("cpu", enabled=False),
                             scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), epoch=1, step=0,
-                            epoch_loss=(0.0, 0), logged_loss=(0.0, 0), best_top1=0.5, best_epoch=1,
+                            epoch_loss=(0.0, 0), logged_loss=(0.0, 0), best_score=0.5, best_epoch=1, best_metric="map",
                             ema=torch.optim.swa_utils.AveragedModel(model), thresholds=[0.1, 0.2, 0.3],
                             ema_thresholds=[0.4, 0.5, 0.6])
     paths = [tmp_path / "best.pt", tmp_path / "last.pt"]

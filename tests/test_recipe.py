@@ -314,3 +314,22 @@ def test_train_help_says_how_keys_are_set_where_they_are_described_and_lists_the
     assert "recipe keys: set any key as key=value after the options" in words
     assert "are in docs/recipes.md (python -m utils.config prints them)" in words
     assert "\n  train: epochs, batch_size, accumulate," in out and "\n  top level: device, seed, project, name" in out
+
+
+def test_train_takes_project_and_name_as_val_and_predict_do_for_the_recipe_keys(capfd):
+    import train
+    args = train.parse_args(["--recipe", "cls.yaml", "train.epochs=1", "--project", "out", "optim.lr=0.1",
+                             "--name=first"])
+    assert args.overrides == ["train.epochs=1", "optim.lr=0.1", "project=out", "name=first"]  # after --project too
+    cfg = load_recipe(args.recipe, args.overrides)
+    assert (cfg.project, cfg.name, cfg.optim.lr) == ("out", "first", 0.1)
+    assert train.parse_args(["--resume", "--project", "out"]).overrides == ["project=out"]  # the newest run there
+    with pytest.raises(SystemExit) as e:
+        train.main(["--project", "a", "project=b"])
+    assert e.value.code == 2 and capfd.readouterr().err == ("train.py: error: --project a and project=b both set "
+                                                            "project; give one\n")
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    words = " ".join(capfd.readouterr().out.split())
+    assert "--project PROJECT the same as the recipe key project=PROJECT (val.py and predict.py take --project too)" \
+        in words and "--name NAME the same as the recipe key name=NAME" in words

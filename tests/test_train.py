@@ -51,7 +51,7 @@ def test_torchrun_two_processes_reach_99_percent_on_digits(digits_run):
     project, result = digits_run
     header, rows = read_results(project / "exp")
     epochs = load_recipe("cls.yaml").train.epochs
-    assert header == COLUMNS
+    assert header == [c for c in COLUMNS if not c.startswith("val/ema_")]  # no EMA in cls.yaml: no EMA columns
     assert [int(r["epoch"]) for r in rows] == list(range(1, epochs + 1))
     assert float(rows[-1]["val/top1"]) >= 0.988  # at most 4 of 360 wrong: the lowest last epoch of digits_sweep, 98.89%
     assert all(float(r["time/img_s"]) > 0 and float(r["time/epoch"]) > 0 for r in rows)
@@ -85,9 +85,9 @@ def test_checkpoints_load_weights_only_and_hold_the_evaluated_model(digits_run):
     best = load_checkpoint(project / "exp" / "weights" / "best.pt")
     assert last["epoch"] == len(rows) and last["classes"] == [str(d) for d in range(10)]
     assert {"model", "optimizer", "scheduler", "scaler", "recipe"} <= set(last)
-    assert abs(best["best_top1"] - best_top1) < 1e-6
+    assert abs(best["best_score"] - best_top1) < 1e-6 and best["best_metric"] == "top1" and "best_top1" not in best
     # Re-evaluating best.pt alone counts exactly what the two ranks counted together during training.
-    assert evaluate_checkpoint(project / "exp" / "weights" / "best.pt")["val/top1"] == best["best_top1"]
+    assert evaluate_checkpoint(project / "exp" / "weights" / "best.pt")["val/top1"] == best["best_score"]
     assert not list((project / "exp" / "weights").glob("*.tmp"))
 
 
@@ -170,11 +170,36 @@ def test_hparams_metrics_are_the_scalars_with_the_val_results_among_the_five_sho
 
 
 def test_scalar_groups_sort_train_and_val_first_and_results_csv_keeps_its_columns(tmp_path):
-    events = logged_events(tmp_path)
+    events = logged_events(tmp_path, ["train.ema_decay=0.99"])
     groups = sorted({tag.split("/")[0] for tag in events.Tags()["scalars"]})
     assert groups == ["train", "val", "val_ema", "x"]  # TensorBoard opens the first two groups
     assert {"val_ema/top1", "x/lr", "x/epoch_time", "x/img_s"} <= set(events.Tags()["scalars"])
     assert read_results(tmp_path)[0] == COLUMNS
+
+
+def test_results_csv_has_ema_columns_only_with_ema_and_a_resume_keeps_its_rows_and_plot(tmp_path):
+    cfg = load_recipe("cls.yaml")  # no EMA
+    values = {**dict.fromkeys(COLUMNS, 0.5), "confusion": None, "wrong": []}
+    logger = RunLogger(tmp_path, cfg, ["a", "b"])
+    for epoch in (1, 2):
+        logger.log_epoch({**values, "epoch": epoch, "val/ema_loss": None, "val/ema_top1": None}, 10 * epoch)
+    logger.close()
+    plain = [c for c in COLUMNS if not c.startswith("val/ema_")]
+    header, rows = read_results(tmp_path)
+    assert header == plain and [r["epoch"] for r in rows] == ["1", "2"] and "" not in rows[1].values()
+    logger = RunLogger(tmp_path, cfg, ["a", "b"], done=(1, 10))  # resumed after epoch 1: epoch 2 is done again
+    logger.log_epoch({**values, "epoch": 2, "val/top1": 0.25}, 20)
+    logger.close()
+    header, rows = read_results(tmp_path)
+    assert header == plain and [(r["epoch"], r["val/top1"]) for r in rows] == [("1", "0.5"), ("2", "0.25")]
+    assert (tmp_path / "results.png").stat().st_size > 10_000
+    # A results.csv written before: blank val/ema_* columns, which a resume drops, and a row cut short by a kill.
+    older = ",".join(COLUMNS) + "\n" + ",".join("" if "/ema_" in c else "1" if c == "epoch" else "0.5"
+                                                  for c in COLUMNS) + "\n2,0.4\n"
+    (tmp_path / "results.csv").write_text(older)
+    RunLogger(tmp_path, cfg, ["a", "b"], done=(2, 20)).close()
+    header, rows = read_results(tmp_path)
+    assert header == plain and rows == [{c: "1" if c == "epoch" else "0.5" for c in plain}]
 
 
 def test_single_process_on_user_folder_with_few_classes_from_10_class_weights(image_folder, tmp_path, log):

@@ -92,10 +92,10 @@ def test_val_tta_reproduces_what_train_tta_logged_and_warns_that_digits_flip(tta
     assert (row["val/ema_top1"], row["val/ema_loss"]) == (row["val/top1"], row["val/loss"])  # the EMA with TTA too
     assert "fp32; TTA: image + horizontal flip" in log.text
     assert log.text.count("trained without flips (data.hflip=0): where a flip changes the class") == 1
-    assert json.loads((tmp_path / "exp" / "metrics.json").read_text())["tta"] is True
+    assert json.loads((tmp_path / "exp" / "metrics.json").read_text())["run"]["tta"] is True
     plain = val.main(["--weights", str(weights), "--project", str(tmp_path)])
     assert f"{plain['val/loss']:.6g}" != row["val/loss"]  # training did validate with TTA
-    assert json.loads((tmp_path / "exp2" / "metrics.json").read_text())["tta"] is False
+    assert json.loads((tmp_path / "exp2" / "metrics.json").read_text())["run"]["tta"] is False
 
 
 def probabilities(rows):

@@ -5,6 +5,7 @@ import csv
 import importlib.util
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,9 +15,10 @@ from PIL import Image
 import export
 import predict
 import val
-from conftest import ROOT, read_results, run_torchrun
+from conftest import ROOT, check_metrics_json, read_results, run_torchrun
 from data.datasets import build_datasets, dataset_root
 from data.transforms import normalizer, val_transforms
+from data.verify import decode
 from models import model_from_checkpoint
 from utils.checkpoint import load_checkpoint, load_model_checkpoint
 from utils.config import checkpoint_recipe
@@ -40,13 +42,24 @@ def best(digits_run):
 
 def test_val_reproduces_the_top1_training_recorded_and_saves_its_tables(best, tmp_path, log):
     weights, recorded = best
-    metrics = val.main(["--weights", str(weights), "--project", str(tmp_path)])
+    metrics = val.main(["--weights", str(weights), "--project", str(tmp_path), "--save-probs"])
     assert float(f"{metrics['val/top1']:.6g}") == recorded
     out = log.text
     assert f"{weights} (after epoch {load_model_checkpoint(weights)['epoch']}) on" in out
     assert f"top-1 {recorded:.2%}" in out and "(360 images)" in out and "class  images  precision  recall  top-5" in out
-    summary = json.loads((tmp_path / "exp" / "metrics.json").read_text())
-    assert summary["images"] == 360 and summary["top1"] == metrics["val/top1"] and summary["processes"] == 1
+    ckpt = load_model_checkpoint(weights)
+    summary = check_metrics_json(tmp_path / "exp", out, {
+        "weights": str(weights), "epoch": ckpt["epoch"], "step": 0, "data": str(VAL_DIR), "processes": 1,
+        "batch_size": load_checkpoint(weights)["recipe"]["train"]["batch_size"], "precision": "fp32", "tta": False})
+    assert summary["images"] == 360 and summary["top1"] == metrics["val/top1"]
+    with open(tmp_path / "exp" / "probabilities.csv", newline="") as f:  # each image's softmax, in the folder's order
+        header, *table = list(csv.reader(f))
+    files = [path for path, _ in build_datasets(VAL_DIR.parent, None, None)[1].samples]
+    assert header == ["file", "labels", *[str(d) for d in range(10)]] and [r[0] for r in table] == files
+    assert [r[1] for r in table] == [Path(f).parent.name for f in files]
+    probs = torch.tensor([[float(p) for p in r[2:]] for r in table])
+    assert torch.allclose(probs, forward_softmax(weights, files), atol=1e-6)
+    assert (probs.argmax(1) == torch.tensor([int(r[1]) for r in table])).sum().item() == round(recorded * 360)
     with open(tmp_path / "exp" / "confusion_matrix.csv") as f:
         header, *rows = list(csv.reader(f))
     counts = np.array([[int(c) for c in row[1:]] for row in rows])
@@ -68,7 +81,7 @@ def test_val_under_torchrun_counts_every_image_once(best, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert [p.name for p in tmp_path.iterdir()] == ["exp"] and result.stdout.count("Results saved to") == 1
     summary = json.loads((tmp_path / "exp" / "metrics.json").read_text())
-    assert summary["images"] == 360 and summary["processes"] == 2
+    assert summary["images"] == 360 and summary["run"]["processes"] == 2
     assert float(f"{summary['top1']:.6g}") == recorded
 
 
@@ -83,9 +96,20 @@ def test_val_names_a_class_the_checkpoint_does_not_know(best, image_folder, tmp_
     assert not (tmp_path / "v").exists()
 
 
+def forward_softmax(weights, files):
+    """The softmax of the checkpoint's model on each image file, prepared as val.py and predict.py prepare it."""
+    ckpt = load_model_checkpoint(weights)
+    cfg = checkpoint_recipe(ckpt["recipe"], weights)
+    model = model_from_checkpoint(ckpt, cfg, weights)
+    transform, normalize = val_transforms(cfg.data), normalizer(cfg.data, torch.device("cpu"))
+    with torch.no_grad():
+        return model(normalize(torch.stack([transform(decode(f)) for f in files]))).softmax(1)
+
+
 def test_predict_agrees_with_val_on_the_val_images(best, tmp_path):
     weights, recorded = best
-    rows, skipped = predict.main(["--weights", str(weights), "--source", str(VAL_DIR), "--project", str(tmp_path)])
+    rows, skipped = predict.main(["--weights", str(weights), "--source", str(VAL_DIR), "--project", str(tmp_path),
+                                  "--save-probs"])
     assert len(rows) == 360 and not skipped
     correct = sum(r["top"][0]["class"] == r["file"].split("/")[-2] for r in rows)
     assert correct == round(recorded * 360)
@@ -94,6 +118,11 @@ def test_predict_agrees_with_val_on_the_val_images(best, tmp_path):
         table = list(csv.DictReader(f))
     assert [r["file"] for r in table] == [r["file"] for r in rows] and table[0]["class1"] == rows[0]["top"][0]["class"]
     assert len(json.loads((tmp_path / "exp" / "predictions.json").read_text())["predictions"]) == 360
+    with open(tmp_path / "exp" / "probabilities.csv", newline="") as f:  # every class's, not only the top 5
+        header, *table = list(csv.reader(f))
+    assert header == ["file", *[str(d) for d in range(10)]] and [r[0] for r in table] == [r["file"] for r in rows]
+    probs = torch.tensor([[float(p) for p in r[1:]] for r in table])
+    assert torch.allclose(probs, forward_softmax(weights, [r["file"] for r in rows]), atol=1e-6)
 
 
 def test_predict_names_and_skips_an_unreadable_image(best, tmp_path, log):

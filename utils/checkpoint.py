@@ -198,8 +198,9 @@ def save_state(state, recipe, classes, train_images, paths, best_from_ema=False,
     """Save a checkpoint of the run where it is, with its recipe (a plain dict) and every rank's random state, to
     each of paths (all ranks call this together, rank 0 writes). With best_from_ema, best.pt's 'model' holds the
     EMA weights, which scored better ('model_source' says which). data_identity: a shard set's shards and their
-    SHA-256 (data/shard_sets.py), which a resumed run must find unchanged. Multi-label: 'thresholds' holds the
-    saved weights' per-class thresholds, chosen at the last validation."""
+    SHA-256 (data/shard_sets.py), which a resumed run must find unchanged. 'best_score': the best val score so far
+    of 'best_metric' (train.best_metric as it applies: top1, balanced_top1 or map). Multi-label: 'thresholds' holds
+    the saved weights' per-class thresholds, chosen at the last validation."""
     rng = gather_object(rng_states())
 
     def write():
@@ -207,7 +208,7 @@ def save_state(state, recipe, classes, train_images, paths, best_from_ema=False,
             "model": de_parallel(state.model).state_dict(), "optimizer": state.optimizer.state_dict(),
             "scheduler": state.scheduler.state_dict(), "scaler": state.scaler.state_dict(), "epoch": state.epoch,
             "step": state.step, "epoch_loss": list(state.epoch_loss),
-            "logged_loss": list(state.logged_loss), "best_top1": state.best_top1,
+            "logged_loss": list(state.logged_loss), "best_score": state.best_score, "best_metric": state.best_metric,
             "best_epoch": state.best_epoch, "classes": list(classes), "recipe": recipe,
             "rng": rng, "train_images": train_images, "ema": None if state.ema is None else state.ema.state_dict(),
             "model_source": "training", "data_identity": data_identity, "thresholds": state.thresholds}
@@ -241,7 +242,8 @@ def restore(state, path, ckpt, classes, epochs, train_images=None):
         state.ema.load_state_dict(ckpt["ema"])
     state.epoch, state.step, state.epoch_loss = ckpt["epoch"], ckpt["step"], tuple(ckpt["epoch_loss"])
     state.logged_loss = tuple(ckpt.get("logged_loss", state.epoch_loss))
-    state.best_top1, state.best_epoch = ckpt["best_top1"], ckpt["best_epoch"]
+    # best_top1: what older checkpoints call best_score (whichever metric train.best_metric chose), so they resume
+    state.best_score, state.best_epoch = ckpt.get("best_score", ckpt.get("best_top1")), ckpt["best_epoch"]
     state.thresholds = ckpt.get("thresholds")
     if RANK < len(ckpt["rng"]):
         set_rng_states(ckpt["rng"][RANK])

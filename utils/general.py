@@ -148,3 +148,16 @@ def format_table(header, rows):
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
                      for row in cells)
+
+
+def save_probabilities(path, files, classes, probs, labels=None):
+    """probabilities.csv of val.py and predict.py --save-probs: per image its file, with labels its true label(s)
+    ('|'-separated, as a training CSV lists them), then its probability of each class, a column per class; probs: an
+    (N, C) tensor or array of floats, as many rows as files."""
+    import csv
+
+    with open(path, "w", newline="", encoding="utf-8") as f:  # class names in any script
+        writer = csv.writer(f)
+        writer.writerow(["file", *([] if labels is None else ["labels"]), *classes])
+        for i, (file, row) in enumerate(zip(files, probs.tolist())):
+            writer.writerow([file, *([] if labels is None else [labels[i]]), *(f"{p:.9g}" for p in row)])

@@ -16,7 +16,7 @@ from utils.plots import confusion_figure, figure_array, labelled_grid, results_f
 # results.csv's columns, also the TensorBoard tags of the epoch scalars but for those TENSORBOARD_TAGS renames.
 COLUMNS = ["epoch", "train/loss", "val/loss", "val/top1", "val/balanced_top1", "val/top5", "val/ema_loss",
            "val/ema_top1", "val/ema_balanced_top1", "val/ema_top5", "lr/pg0", "time/epoch",
-           "time/img_s"]  # val/ema_*: blank without EMA; balanced_top1: the mean recall of the classes in val
+           "time/img_s"]  # val/ema_*: with EMA only; balanced_top1: the mean recall of the classes in val
 # Multi-label runs' columns: mAP, and F1, precision, recall (macro) and exact match at train.threshold.
 MULTILABEL_COLUMNS = ["epoch", "train/loss", "val/loss", "val/map", "val/f1", "val/precision", "val/recall",
                       "val/exact_match", "val/ema_loss", "val/ema_map", "val/ema_f1", "lr/pg0", "time/epoch",
@@ -47,7 +47,7 @@ class RunLogger:
         from torch.utils.tensorboard import SummaryWriter  # here: only rank 0 pays for importing TensorBoard
 
         self.run_dir, self.classes, self.csv_path = run_dir, list(classes), run_dir / "results.csv"
-        self.columns = MULTILABEL_COLUMNS if cfg.data.multilabel else COLUMNS
+        self.columns = results_columns(cfg)
         self.plots = PlotBudget(PLOT_SHARE)
         self.unplotted = None  # (global step, confusion matrix) of the last epoch logged, until plotted
         if done is None:
@@ -162,16 +162,24 @@ class PlotBudget:
         self.cost = self.last - start
 
 
+def results_columns(cfg):
+    """results.csv's columns for a recipe: single- or multi-label's, the EMA's only with EMA (train.ema_decay)."""
+    columns = MULTILABEL_COLUMNS if cfg.data.multilabel else COLUMNS
+    return columns if cfg.train.ema_decay else [c for c in columns if not c.startswith("val/ema_")]
+
+
 def keep_rows(csv_path, epochs, columns=COLUMNS):
-    """Rewrite results.csv (atomically, with these columns) with only the rows of epochs 1..epochs."""
+    """Rewrite results.csv (atomically, with these columns) with only the rows of epochs 1..epochs, each read by its
+    header's names (an older results.csv may hold blank val/ema_* columns, which are dropped)."""
     if not csv_path.exists():
         return
     with open(csv_path, newline="") as f:
-        rows = [row for row in csv.reader(f) if row]
+        rows = [row for row in csv.DictReader(f) if row]
+    whole = [row for row in rows if None not in row and None not in row.values() and set(columns) <= set(row)
+             and row["epoch"].isdigit() and int(row["epoch"]) <= epochs]  # a row cut short by a kill mid-write: not
     tmp = csv_path.with_name(f"{csv_path.name}.tmp")
-    with open(tmp, "w", newline="") as f:  # a row cut short by a kill mid-write is dropped too
-        csv.writer(f).writerows([columns, *(row for row in rows[1:] if len(row) == len(columns)
-                                            and row[0].isdigit() and int(row[0]) <= epochs)])
+    with open(tmp, "w", newline="") as f:
+        csv.writer(f).writerows([columns, *([row[c] for c in columns] for row in whole)])
     os.replace(tmp, csv_path)
 
 

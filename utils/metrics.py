@@ -5,7 +5,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from utils.distributed import all_reduce_sum
+from utils.distributed import all_gather_rows, all_reduce_sum
 from utils.general import WORLD_SIZE
 from utils.precision import autocast
 from utils.tta import tta_logits
@@ -18,7 +18,7 @@ BEST_METRIC_NAMES = {"top1": "val top-1", "balanced_top1": "val balanced top-1",
 
 
 @torch.no_grad()
-def evaluate(model, loader, normalize, num_classes, device, dtype=None, keep_wrong=0, tta=False):
+def evaluate(model, loader, normalize, num_classes, device, dtype=None, keep_wrong=0, tta=False, keep_probs=False):
     """Validation metrics, summed over ranks: mean cross-entropy (no label smoothing), top-1 and top-5 accuracy
     (top-5 only with 5+ classes), balanced top-1 (the mean recall of the classes with val images) and the sample
     count; 'class_counts', an int64 (4, C) tensor of each class's images, predictions, correct predictions and
@@ -26,14 +26,15 @@ def evaluate(model, loader, normalize, num_classes, device, dtype=None, keep_wro
     MAX_CONFUSION_CLASSES); and in 'wrong' up to keep_wrong of this rank's
     misclassified images as (uint8 image, true class, predicted class). Tensors are returned on the CPU. With tta,
     each image is scored by the mean softmax of it and its horizontal flip (utils/tta.py): the loss is the NLL of
-    that mean, top-1 and top-5 its largest probabilities."""
+    that mean, top-1 and top-5 its largest probabilities. With keep_probs, 'probs' and 'targets' hold every rank's
+    images' (N, C) probabilities and classes (CPU), in rank order (the sampler's gathered_ids)."""
     was_training = model.training
     model.eval()
     c, k = num_classes, min(5, num_classes)
     loss = torch.zeros(1, dtype=torch.float64, device=device)
     counts = torch.zeros(4, c, dtype=torch.int64, device=device)
     confusion = torch.zeros(c * c if c <= MAX_CONFUSION_CLASSES else 0, dtype=torch.int64, device=device)
-    wrong = []
+    wrong, kept = [], [(torch.zeros(0, c, device=device), torch.zeros(0, dtype=torch.int64, device=device))]
     for images, targets in loader:
         images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         with autocast(device, dtype):
@@ -45,12 +46,15 @@ def evaluate(model, loader, normalize, num_classes, device, dtype=None, keep_wro
                                hits_per_class(targets, predicted == targets, c), hits_per_class(targets, in_top5, c)])
         if len(confusion):
             confusion += torch.bincount(targets * c + predicted, minlength=c * c)
+        if keep_probs:
+            kept.append((logits.float().softmax(dim=1), targets))
         if len(wrong) < keep_wrong:
             wrong += collect_wrong(images, targets, predicted, keep_wrong - len(wrong))
     # One all-reduce of every count; float64 holds counts exactly up to 2**53.
     totals = all_reduce_sum(torch.cat([loss, counts.flatten().double(), confusion.double()])).cpu()
     model.train(was_training)
     counts = totals[1 : 1 + 4 * c].long().view(4, c)
+    probs, targets = (all_gather_rows(torch.cat(part)).cpu() if keep_probs else None for part in zip(*kept))
     n = int(counts[0].sum())
     if n == 0:
         raise RuntimeError("the validation set is empty")
@@ -59,7 +63,7 @@ def evaluate(model, loader, normalize, num_classes, device, dtype=None, keep_wro
             "val/balanced_top1": (counts[2][present] / counts[0][present]).mean().item(),
             "val/top5": counts[3].sum().item() / n if num_classes >= 5 else None, "val/samples": n,
             "class_counts": counts, "confusion": totals[1 + 4 * c :].long().view(c, c) if len(confusion) else None,
-            "wrong": wrong}
+            "wrong": wrong, "probs": probs, "targets": targets}
 
 
 def evaluate_ema(ema, loader, normalize, num_classes, device, dtype, tta=False):

@@ -3,6 +3,8 @@
 on val. Every rank's probabilities are gathered, so each val image counts once at any number of processes; the
 per-class curves are shared out between the ranks."""
 
+import argparse
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -107,33 +109,57 @@ def multilabel_metrics(probs, targets, threshold=0.5):
             "per_class": per_class, "thresholds": [best for _, best in curves]}
 
 
-def chosen_thresholds(given, ckpt, cfg, weights):
+SAVED = "saved"  # --threshold saved: the per-class thresholds train.py chose on val and saved in the checkpoint
+
+
+def threshold_option(text):
+    """argparse type of --threshold: a number, or 'saved'."""
+    if text == SAVED:
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a probability such as 0.5, or '{SAVED}' for the "
+                                         f"checkpoint's per-class thresholds") from None
+
+
+def chosen_thresholds(given, ckpt, cfg, weights, default=SAVED):
     """What val.py and predict.py count a checkpoint's labels from: (one threshold for every class or one per class,
-    how it was chosen, in words): --threshold (given), else the checkpoint's per-class thresholds, else its recipe's
-    train.threshold; (None, None) for a single-label checkpoint. --threshold outside (0, 1), or on a single-label
-    checkpoint, is a UsageError."""
+    how it was chosen, in words), for --threshold (given: a probability, 'saved', or None for `default`): a
+    probability for every class; 'saved': the checkpoint's per-class thresholds (else, where it holds none, its
+    recipe's train.threshold); 'recipe': its recipe's train.threshold. (None, None) for a single-label checkpoint.
+    --threshold outside (0, 1), or on a single-label checkpoint, is a UsageError."""
     if given is not None and not cfg.data.multilabel:
         raise UsageError(f"--threshold {given}: {weights} is a single-label checkpoint (one class per image); "
                          f"--threshold is for multi-label ones (data.multilabel=true)")
-    if given is not None and not 0 < given < 1:
+    if given not in (None, SAVED) and not 0 < given < 1:
         raise UsageError(f"--threshold {given}: must be a probability in (0, 1)")
     if not cfg.data.multilabel:
         return None, None
-    if given is not None:
+    if given not in (None, SAVED):
         return given, f"--threshold {given} for every class"
-    if ckpt.get("thresholds") is not None:
-        return ckpt["thresholds"], "per class, chosen on val by train.py (maximising each class's F1)"
-    return cfg.train.threshold, f"train.threshold={cfg.train.threshold} for every class (none saved per class)"
+    recipe = f"train.threshold={cfg.train.threshold} for every class"
+    if (given or default) == SAVED and ckpt.get("thresholds") is not None:
+        return ckpt["thresholds"], "per class, as saved by train.py (each maximised its class's F1 on val)"
+    return cfg.train.threshold, recipe if given is None else f"{recipe} (the checkpoint saved none per class)"
 
 
 def class_curve(positive, probs, default=0.5):
     """(AP, the threshold maximising F1) of one class's 0/1 labels and probabilities, from scikit-learn's
     precision-recall curve: AP as average_precision_score computes it from that curve (the precision at each
     threshold times the recall it adds; one call instead of two, whose input checks cost three times the curve),
-    and the threshold (a label counts from it up) the lowest of equally good ones. (None, default) without
-    positives."""
+    and the threshold (a label counts from it up) of the best cut, the lowest of equally good ones. (None, default)
+    without positives."""
     if not positive.any():
         return None, default
     precision, recall, thresholds = precision_recall_curve(positive, probs)
     f1 = 2 * precision[:-1] * recall[:-1] / np.maximum(precision[:-1] + recall[:-1], 1e-12)
-    return float(-np.sum(np.diff(recall) * precision[:-1])), float(thresholds[int(np.argmax(f1))])
+    return float(-np.sum(np.diff(recall) * precision[:-1])), between_scores(probs, thresholds[int(np.argmax(f1))])
+
+
+def between_scores(probs, cut):
+    """A threshold that labels what `cut` (one of probs) does, halfway between it and the next lower score (or 0):
+    at a score itself, a change of that image's probability in the last digits (another batch size or machine)
+    would flip its label."""
+    below = probs[probs < cut]
+    return (float(cut) + (float(below.max()) if len(below) else 0.0)) / 2

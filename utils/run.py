@@ -154,7 +154,7 @@ def next_steps(run_dir, state, seconds, held_out, started_at=(0, 0)):
     source = shlex.quote(str(short_path(held_out))) if held_out else "path/to/new_images"
     return (f"\n{epochs} epoch{'s' * (epochs != 1)} in {seconds:.1f}s{resumed}. Results saved to "
             f"{colorstr('bold', str(run_dir))} (results.csv, results.png, TensorBoard events, weights/)\n"
-            f"Best {BEST_METRIC_NAMES[state.best_metric]} {state.best_top1:.2%} at epoch {state.best_epoch}: {best}\n"
+            f"Best {BEST_METRIC_NAMES[state.best_metric]} {state.best_score:.2%} at epoch {state.best_epoch}: {best}\n"
             f"Next:\n"
             f"  tensorboard --logdir {shlex.quote(str(run_dir.parent))}\n"
             f"  python val.py --weights {best}\n"

@@ -127,9 +127,9 @@ def record_best(state, metrics, epoch):
     name = state.best_metric
     ema_better = state.ema is not None and metrics[f"val/ema_{name}"] > metrics[f"val/{name}"]
     score = metrics[f"val/ema_{name}"] if ema_better else metrics[f"val/{name}"]
-    improved = score > state.best_top1
+    improved = score > state.best_score
     if improved:
-        state.best_top1, state.best_epoch = score, epoch + 1
+        state.best_score, state.best_epoch = score, epoch + 1
     return improved, ema_better
 
 
@@ -139,5 +139,6 @@ def out_of_patience(patience, state, epochs):
     if not patience or state.epoch >= epochs or state.epoch - state.best_epoch < patience:
         return False
     LOGGER.info(f"Stopping early after epoch {state.epoch}: no better {BEST_METRIC_NAMES[state.best_metric]} in "
-                f"{patience} epochs (train.patience); the best, {state.best_top1:.2%}, was at epoch {state.best_epoch}")
+                f"{patience} epochs (train.patience); the best, {state.best_score:.2%}, was at epoch "
+                f"{state.best_epoch}")
     return True
