@@ -294,8 +294,8 @@ def training_data(cfg, device, workers, saved_in=None):
     saved_in: a resumed run's directory, whose data.val_split split is reused. Rank 0 says when the training images
     are much larger than the model sees them (large_images_note)."""
     train_set, val_set = training_datasets(cfg.data, cfg.seed, saved_in, device)
-    if RANK == 0 and (note := large_images_note(train_set, cfg.data)):
-        LOGGER.warning(note)
+    if RANK == 0 and (note := large_images_note(train_set, cfg.data)):  # a fact, often meant (photos at 224 px)
+        LOGGER.info(note)
     mix = batch_mixer(cfg.data, len(train_set.classes), cfg.seed)
     check_shareable(train_set, WORLD_SIZE, cfg.train.batch_size, cfg.data.drop_last, pairs=mix is not None)
     train_loader = build_dataloader(train_set, cfg.train.batch_size, True, cfg.seed, workers, device,
@@ -317,8 +317,8 @@ def large_images_note(dataset, cfg, sample=64):
         return None
     median = int(np.median(sides))
     return (f"{colorstr('data:')} the training images are much larger than the model sees them: median shorter "
-            f"side {median} px, scaled down to data.img_size={cfg.img_size} (val: {val_size(cfg)} px); raise "
-            f"data.img_size to train on more of their detail")
+            f"side {median} px, scaled down to data.img_size={cfg.img_size} (val: {val_size(cfg)} px); set "
+            f"data.img_size if that is not meant")
 
 
 def shorter_sides(dataset, sample=64):

@@ -115,7 +115,7 @@ def test_training_images_much_larger_than_data_img_size_are_said_in_one_line(ima
     lines = [line for line in log.text.splitlines() if "much larger" in line]
     assert len(lines) == 1 and lines[0].endswith(
         "the training images are much larger than the model sees them: median shorter side 40 px, scaled down to "
-        "data.img_size=8 (val: 8 px); raise data.img_size to train on more of their detail")
+        "data.img_size=8 (val: 8 px); set data.img_size if that is not meant")
     log.clear()
     training_data(load_recipe("cls.yaml", [f"data.name={large}", f"data.cache={cache}", "data.img_size=20"]),
                   torch.device("cpu"), 0)  # 40 px is twice 20 px

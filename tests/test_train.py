@@ -227,7 +227,7 @@ def fails(argv, capsys):
 
 def test_unknown_key_exits_before_any_work(tmp_path, capsys):
     error = fails(["--recipe", "cls.yaml", "optim.lrr=0.1", f"project={tmp_path / 'runs'}"], capsys)
-    assert "unknown key 'optim.lrr' (did you mean 'optim.lr'?)" in error
+    assert "unknown key 'optim.lrr' (did you mean optim.lr=0.1?)" in error
     assert not (tmp_path / "runs").exists()
 
 
