@@ -220,3 +220,19 @@ def http_server(root, stop_after=None, cut_first=0, trickle=False, no_length=Fal
     finally:
         server.kill()
         server.wait()
+
+
+def forward_logits(weights, files):
+    """The checkpoint's model's outputs for each image file, prepared as val.py and predict.py prepare it."""
+    from data.transforms import normalizer, val_transforms
+    from data.verify import decode
+    from models import model_from_checkpoint
+    from utils.checkpoint import load_model_checkpoint
+    from utils.config import checkpoint_recipe
+
+    ckpt = load_model_checkpoint(weights)
+    cfg = checkpoint_recipe(ckpt["recipe"], weights)
+    model = model_from_checkpoint(ckpt, cfg, weights)
+    transform, normalize = val_transforms(cfg.data), normalizer(cfg.data, torch.device("cpu"))
+    with torch.no_grad():
+        return model(normalize(torch.stack([transform(decode(f)) for f in files])))

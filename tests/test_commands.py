@@ -35,6 +35,7 @@ RUN = [
     "torchrun --nproc_per_node=2 train.py --recipe multilabel.yaml",
     "python train.py --recipe cls.yaml optim.lr=0.05 train.epochs=3 data.scale=[0.5,1.0]",
     "python -m utils.config",
+    "python train.py --help",
     "python3 -m venv .venv && source .venv/bin/activate",
     "torchrun --nproc_per_node=2 train.py --recipe cls.yaml",
     "torchrun --nproc_per_node=2 train.py --recipe cls.yaml data.name=/path/to/my_data model.name=resnet18 "

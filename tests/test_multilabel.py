@@ -17,8 +17,8 @@ import export
 import predict
 import train
 import val
-from conftest import (check_metrics_json, launch_n_invariance, make_image_folder, read_results, rounding_tolerances,
-                      run_python, run_torchrun, run_weights, step_losses)
+from conftest import (check_metrics_json, forward_logits, launch_n_invariance, make_image_folder, read_results,
+                      rounding_tolerances, run_python, run_torchrun, run_weights, step_losses)
 from data.layouts import csv_dataset
 from data.mix import batch_mixer
 from data.multilabel import positive_weights
@@ -391,16 +391,6 @@ def test_tensorboard_holds_map_per_class_ap_and_pr_curves_and_results_png_is_dra
     assert (run / "results.png").stat().st_size > 10_000
 
 
-def forward_probs(weights, files):
-    """The sigmoid of the checkpoint's model on each image file, prepared as val.py and predict.py prepare it."""
-    ckpt = load_checkpoint(weights)
-    cfg = checkpoint_recipe(ckpt["recipe"], weights)
-    model = model_from_checkpoint(ckpt, cfg, weights)
-    transform, normalize = val_transforms(cfg.data), normalizer(cfg.data, torch.device("cpu"))
-    with torch.no_grad():
-        return model(normalize(torch.stack([transform(decode(f)) for f in files]))).sigmoid()
-
-
 def read_probabilities(path):
     """probabilities.csv: (header, rows as lists)."""
     with open(path, newline="") as f:
@@ -427,7 +417,7 @@ def test_val_py_reproduces_training_at_train_threshold_and_counts_each_image_onc
         listed = list(csv.DictReader(f))
     assert header == ["file", "labels", *CLASSES] and len(table) == 9
     assert [(r[0], r[1]) for r in table] == [(str(data / r["path"]), r["labels"]) for r in listed]  # val.csv's order
-    expected = forward_probs(weights, [r[0] for r in table])
+    expected = forward_logits(weights, [r[0] for r in table]).sigmoid()
     assert torch.allclose(torch.tensor([[float(p) for p in r[2:]] for r in table]), expected, atol=1e-6)
     log.clear()
     chosen = val.main(["--weights", str(weights), "--threshold", "saved", "--project", str(tmp_path), "--name", "b"])
@@ -457,7 +447,7 @@ def test_val_py_reproduces_training_at_train_threshold_and_counts_each_image_onc
     assert np.allclose(np.array([r[2:] for r in shared], float), np.array([r[2:] for r in table], float), atol=1e-6)
     single = make_image_folder(tmp_path / "single", {"val": {"blue": 1}})
     result = run_python("val.py", "--weights", weights, "--data", single)
-    assert result.returncode == 2 and f"data.multilabel=true, but data.name={single} has one label per image" in \
+    assert result.returncode == 2 and f"data.multilabel=true, but --data {single} has one label per image" in \
         result.stderr
 
 
@@ -484,7 +474,7 @@ def test_predict_lists_every_label_from_its_threshold_and_export_outputs_probabi
                                                                                      rel=1e-4)
     header, table = read_probabilities(tmp_path / "exp" / "probabilities.csv")  # every class's, in the rows' order
     assert header == ["file", *CLASSES] and [r[0] for r in table] == [r["file"] for r in rows]
-    expected = forward_probs(weights, [r["file"] for r in rows])
+    expected = forward_logits(weights, [r["file"] for r in rows]).sigmoid()
     assert torch.allclose(torch.tensor([[float(p) for p in r[1:]] for r in table]), expected, atol=1e-6)
     low, _ = predict.main(["--weights", str(weights), "--source", str(data / "val"), "--project", str(tmp_path),
                            "--threshold", "0.000001", "--workers", "0"])

@@ -11,7 +11,8 @@ from conftest import ROOT, clean_env, make_image_folder
 from test_resume import free_port
 
 HOST = socket.gethostname()
-RECIPE = ["--recipe", "cls.yaml", "train.epochs=1", "train.batch_size=4", "model.width=4", "data.workers=0"]
+RECIPE = ["--recipe", "cls.yaml", "train.epochs=1", "train.batch_size=4", "model.width=4", "model.norm=group",
+          "data.workers=0"]  # group norm: 4 processes of 1 image a step each
 
 
 def two_nodes(tmp_path, args, node1_args, node1_fault=None):

@@ -15,10 +15,9 @@ from PIL import Image
 import export
 import predict
 import val
-from conftest import ROOT, check_metrics_json, read_results, run_torchrun
+from conftest import ROOT, check_metrics_json, forward_logits, read_results, run_torchrun
 from data.datasets import build_datasets, dataset_root
 from data.transforms import normalizer, val_transforms
-from data.verify import decode
 from models import model_from_checkpoint
 from utils.checkpoint import load_checkpoint, load_model_checkpoint
 from utils.config import checkpoint_recipe
@@ -58,7 +57,7 @@ def test_val_reproduces_the_top1_training_recorded_and_saves_its_tables(best, tm
     assert header == ["file", "labels", *[str(d) for d in range(10)]] and [r[0] for r in table] == files
     assert [r[1] for r in table] == [Path(f).parent.name for f in files]
     probs = torch.tensor([[float(p) for p in r[2:]] for r in table])
-    assert torch.allclose(probs, forward_softmax(weights, files), atol=1e-6)
+    assert torch.allclose(probs, forward_logits(weights, files).softmax(1), atol=1e-6)
     assert (probs.argmax(1) == torch.tensor([int(r[1]) for r in table])).sum().item() == round(recorded * 360)
     with open(tmp_path / "exp" / "confusion_matrix.csv") as f:
         header, *rows = list(csv.reader(f))
@@ -96,16 +95,6 @@ def test_val_names_a_class_the_checkpoint_does_not_know(best, image_folder, tmp_
     assert not (tmp_path / "v").exists()
 
 
-def forward_softmax(weights, files):
-    """The softmax of the checkpoint's model on each image file, prepared as val.py and predict.py prepare it."""
-    ckpt = load_model_checkpoint(weights)
-    cfg = checkpoint_recipe(ckpt["recipe"], weights)
-    model = model_from_checkpoint(ckpt, cfg, weights)
-    transform, normalize = val_transforms(cfg.data), normalizer(cfg.data, torch.device("cpu"))
-    with torch.no_grad():
-        return model(normalize(torch.stack([transform(decode(f)) for f in files]))).softmax(1)
-
-
 def test_predict_agrees_with_val_on_the_val_images(best, tmp_path):
     weights, recorded = best
     rows, skipped = predict.main(["--weights", str(weights), "--source", str(VAL_DIR), "--project", str(tmp_path),
@@ -122,7 +111,7 @@ def test_predict_agrees_with_val_on_the_val_images(best, tmp_path):
         header, *table = list(csv.reader(f))
     assert header == ["file", *[str(d) for d in range(10)]] and [r[0] for r in table] == [r["file"] for r in rows]
     probs = torch.tensor([[float(p) for p in r[1:]] for r in table])
-    assert torch.allclose(probs, forward_softmax(weights, [r["file"] for r in rows]), atol=1e-6)
+    assert torch.allclose(probs, forward_logits(weights, [r["file"] for r in rows]).softmax(1), atol=1e-6)
 
 
 def test_predict_names_and_skips_an_unreadable_image(best, tmp_path, log):

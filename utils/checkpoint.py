@@ -77,8 +77,8 @@ def not_a_checkpoint(path):
     if head.startswith(b"PK\x03\x04"):
         try:
             names = zipfile.ZipFile(path).namelist()
-        except (zipfile.BadZipFile, OSError):
-            return "it is a damaged zip archive"
+        except (zipfile.BadZipFile, OSError):  # a checkpoint cut short, most likely: torch.load names what it finds
+            return None
         if any(name.endswith("/constants.pkl") for name in names):
             return "it is a TorchScript model, as export.py writes; give the .pt file it was exported from"
         torch_saved = any(name.endswith("data.pkl") for name in names)
