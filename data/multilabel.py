@@ -73,11 +73,12 @@ def check_task(train_set, multilabel, name, val_set=None):
                            f"average precision (mAP) or recall; give val images with labels")
 
 
-def write_multidigits(root):
+def write_multidigits(root, classes=tuple(range(10)), images=IMAGES, digits_per_image=DIGITS_PER_IMAGE):
     """Write the embedded multi-label set: 16x16 images of a 2x2 grid of scikit-learn's 8x8 digits, 2 or 3 different
     digits in distinct cells (the rest black), labelled with the digits present; train.csv and val.csv (path,labels,
     space-separated) over images/. Train images are made from the digits of the single-label set's train split,
-    val images from its val split (the same fixed, stratified 80/20 split), so no digit image is in both."""
+    val images from its val split (the same fixed, stratified 80/20 split), so no digit image is in both.
+    benchmarks/finetune.py writes other such sets: of some digits (classes), images per split, digits per image."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -88,13 +89,13 @@ def write_multidigits(root):
     rng = np.random.default_rng(0)
     tmp = root.with_name(f".{root.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     for split, pool in pools.items():
-        by_digit = [pool[digits.target[pool] == d] for d in range(10)]
+        by_digit = [pool[digits.target[pool] == d] for d in classes]
         (tmp / "images" / split).mkdir(parents=True)
         with open(tmp / f"{split}.csv", "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["path", "labels"])
-            for i in range(IMAGES[split]):
-                chosen = rng.choice(10, size=rng.choice(DIGITS_PER_IMAGE), replace=False)
+            for i in range(images[split]):
+                chosen = rng.choice(len(classes), size=rng.choice(digits_per_image), replace=False)
                 cells = rng.choice(GRID * GRID, size=len(chosen), replace=False)
                 image = np.zeros((GRID * SIDE, GRID * SIDE), np.uint8)
                 for digit, cell in zip(chosen, cells):
@@ -102,7 +103,7 @@ def write_multidigits(root):
                     image[y * SIDE : (y + 1) * SIDE, x * SIDE : (x + 1) * SIDE] = pixels[rng.choice(by_digit[digit])]
                 name = f"images/{split}/{i:05d}.png"
                 Image.fromarray(image).save(tmp / name)
-                writer.writerow([name, " ".join(str(d) for d in sorted(chosen))])
+                writer.writerow([name, " ".join(str(classes[d]) for d in sorted(chosen))])
     try:
         os.replace(tmp, root)
     except OSError:  # another process (e.g. another node on a shared disk) finished first

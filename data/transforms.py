@@ -146,7 +146,10 @@ def auto_augment(cfg):
 
 
 def val_transforms(cfg):
-    """Resize to val_size / crop_pct and centre-crop val_size, to a uint8 (C, H, W) tensor."""
+    """Validation's and inference's uint8 (C, H, W) tensor of val_size x val_size: the shorter side resized to
+    val_size / crop_pct and the centre cropped (data.val_resize=crop), or the whole image resized (squash)."""
+    if cfg.val_resize == "squash":
+        return v2.Compose([v2.Resize([val_size(cfg)] * 2, antialias=True), v2.ToImage()])
     return v2.Compose([v2.Resize(resize_size(cfg), antialias=True), v2.CenterCrop(val_size(cfg)), v2.ToImage()])
 
 
@@ -162,10 +165,14 @@ def resize_size(cfg):
 
 def preprocessing(cfg):
     """What a deployed model needs to know to prepare an image as validation does, as plain values."""
+    normalise = "scale to [0, 1]; subtract mean and divide by std per channel"
+    if cfg.val_resize == "squash":
+        return {"img_size": val_size(cfg), "resize": "squash", "mean": list(cfg.mean), "std": list(cfg.std),
+                "steps": f"RGB; resize the whole image to img_size x img_size (bilinear, antialiased; its aspect "
+                         f"ratio is not kept); {normalise}"}
     return {"img_size": val_size(cfg), "resize": resize_size(cfg), "crop_pct": cfg.crop_pct, "mean": list(cfg.mean),
-            "std": list(cfg.std), "steps": "RGB; resize the shorter side to resize (bilinear, antialiased); "
-                                           "centre-crop img_size x img_size; scale to [0, 1]; subtract mean and "
-                                           "divide by std per channel"}
+            "std": list(cfg.std), "steps": f"RGB; resize the shorter side to resize (bilinear, antialiased); "
+                                           f"centre-crop img_size x img_size; {normalise}"}
 
 
 def normalizer(cfg, device):

@@ -125,6 +125,21 @@ def test_val_img_size_sets_the_validation_crop_and_what_export_records(photos):
     assert SeededSamples(ImageFolder(str(photos), train_transforms(cfg)))[0][0].shape == (3, 16, 16)
 
 
+def test_val_resize_squash_keeps_what_the_centre_crop_cuts_off_and_export_says_so():
+    from PIL import Image
+    wide = Image.new("RGB", (40, 20))  # black, a white stripe at each end: objects at the edges of a wide photo
+    wide.paste((255, 255, 255), (0, 0, 4, 20))
+    wide.paste((255, 255, 255), (36, 0, 40, 20))
+    cropped = val_transforms(data_cfg(img_size=10, crop_pct=1.0))(wide)
+    squashed = val_transforms(data_cfg(img_size=10, val_resize="squash"))(wide)
+    assert cropped.shape == squashed.shape == (3, 10, 10)
+    assert cropped.max() == 0  # the centre square of a 2:1 image leaves both ends out
+    assert squashed[:, :, [0, -1]].min() > 200 and squashed[:, :, 3:7].max() == 0  # both ends, squeezed
+    steps = preprocessing(data_cfg(img_size=10, val_resize="squash"))
+    assert steps["resize"] == "squash" and "crop_pct" not in steps and "whole image to img_size x img_size" in \
+        steps["steps"] and "crop" not in steps["steps"]
+
+
 def test_switch_probability_chooses_between_cutmix_and_mixup():
     images, targets = batch(size=16)
     for prob, cutmix in ((0.0, False), (1.0, True)):

@@ -33,6 +33,9 @@ RUN = [
     "python train.py --resume runs/train/exp train.epochs=30",
     "python train.py --recipe cls.yaml",
     "torchrun --nproc_per_node=2 train.py --recipe multilabel.yaml",
+    "torchrun --nproc_per_node=2 train.py --recipe multilabel-photos.yaml data.name=path/to/my_labels",
+    "python train.py --recipe multilabel-photos.yaml data.name=path/to/my_labels model.weights='' optim.lr=0.002 "
+    "train.epochs=40 train.patience=10 sched.warmup_epochs=2",
     "python train.py --recipe cls.yaml optim.lr=0.05 train.epochs=3 data.scale=[0.5,1.0]",
     "python -m utils.config",
     "python train.py --help",
@@ -89,6 +92,7 @@ NOT_RUN = {
     "python benchmarks/gpu.py": BENCHMARK,
     "torchrun --nproc_per_node=2 benchmarks/ddp.py": BENCHMARK,
     "python benchmarks/finetune.py": BENCHMARK,
+    "python benchmarks/finetune.py --multilabel": BENCHMARK,
     "python benchmarks/checkpoint.py": BENCHMARK,
     "python -m data.shards": "the writer named in a sentence; the command above it with its arguments is run",
     "python -m data.shard_index path/to/webdataset": "needs shards another tool wrote: test_shards.py writes such a "
@@ -100,7 +104,8 @@ NOT_RUN = {
 
 # What a documented placeholder becomes in the scratch project: my_data/ holds train/ and val/, my_shards/ the same
 # as a shard set, new_photos/ images.
-STAND_INS = [("data.name=path/to/shards", "data.name=my_shards"), ("/path/to/my_data", "my_data"), ("path/to/my_data", "my_data"), ("path/to/your/data", "my_data"),
+STAND_INS = [("data.name=path/to/shards", "data.name=my_shards"), ("path/to/my_labels", "my_labels"),
+             ("/path/to/my_data", "my_data"), ("path/to/my_data", "my_data"), ("path/to/your/data", "my_data"),
              ("path/to/data", "my_data"), ("path/to/imagenet", "my_data"), ("path/to/new_photos", "new_photos"),
              ("--source photos/", "--source new_photos"), ("--weights ...", "--weights runs/train/exp/weights/best.pt"),
              ("--nproc_per_node=8", "--nproc_per_node=2")]

@@ -30,6 +30,7 @@ STAND_INS = {
     "cifar10-resnet18.yaml": ((4, 2), ["train.batch_size=20", "data.img_size=16"]),
     "cifar100-resnet18.yaml": ((1, 1), ["train.batch_size=50", "data.img_size=16"]),
     "folder.yaml": ((6, 2), ["train.batch_size=12", "data.img_size=32"]),
+    "multilabel-photos.yaml": ((6, 2), ["train.batch_size=12", "data.img_size=32"]),
     "imagenet-resnet50.yaml": ((1, 0), ["train.batch_size=500", "data.img_size=16", "data.val_img_size=16"]),
     "imagenet-vit_b_16.yaml": ((1, 0), ["train.batch_size=500", "data.img_size=16", "train.precision=fp32"]),
 }
@@ -67,6 +68,12 @@ def standin_overrides(name, tmp_path, monkeypatch, request, runs):
     elif counts:
         root = make_image_folder(tmp_path / "photos", {split: {c: n for c in "abc"}
                                                         for split, n in zip(("train", "val"), counts)}, size=40)
+        if cfg.data.multilabel:  # the same images listed in CSVs, every other one with a second label
+            for split in ("train", "val"):
+                files = sorted((root / split).rglob("*.png"))
+                rows = [f"{f.relative_to(root)},{f.parent.name}" + (f" {'bca'['abc'.index(f.parent.name)]}" * (i % 2))
+                        for i, f in enumerate(files)]
+                (root / f"{split}.csv").write_text("\n".join(["path,labels", *rows]))
         overrides = [f"data.name={root}", *overrides]
     if cfg.train.ema_decay:
         overrides = [*overrides, "train.ema_steps=1"]  # two steps: update the EMA at each

@@ -54,6 +54,7 @@ class DataConfig:
     repeats: int = 1  # repeated augmentation: each image this many times in a row, augmented afresh; epochs keep length
     val_img_size: int = 0  # side of validation's (and inference's) centre crop; 0: data.img_size
     crop_pct: float = 0.875  # val: resize to val_img_size / crop_pct, then centre-crop val_img_size
+    val_resize: str = "crop"  # val and inference: crop (as data.crop_pct says) or squash (the whole image to a square: nothing cut off, for multi-label)
     mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))  # per-channel normalisation mean (RGB)
     std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))  # per-channel normalisation std (RGB)
     cache: str = "none"  # none: decode per sample; ram: decode once into memory; jpeg: one shared file of JPEGs per split (crop and flip per batch with either)
@@ -534,6 +535,7 @@ def check_data_values(cfg, require):
     require(cfg.data.repeats >= 1, "data.repeats", ">= 1 (1: no repeated augmentation)")
     require(cfg.data.val_img_size >= 0, "data.val_img_size", ">= 0 (0: data.img_size)")
     require(0 < cfg.data.crop_pct <= 1, "data.crop_pct", "in (0, 1]")
+    require(cfg.data.val_resize in ("crop", "squash"), "data.val_resize", "crop (centre crop) or squash (whole image)")
     require(len(cfg.data.mean) == 3, "data.mean", "three values (R, G, B)")
     require(len(cfg.data.std) == 3 and all(s > 0 for s in cfg.data.std), "data.std", "three positive values")
     require(cfg.data.cache in ("none", "ram", "jpeg"), "data.cache", "none (decode per image), ram or jpeg")
