@@ -307,10 +307,10 @@ def expected(key):
     kind, default = schema_leaves()[key]
     if isinstance(default, list):
         count = {2: "two ", 3: "three "}.get(LIST_LENGTHS.get(key), "")
-        words = f"a list of {count}numbers"
+        words = f"a list of {count}{'names' if kind == list[str] else 'numbers'}"
     else:
         words = TYPE_WORDS[kind]
-    return f"{words} like {key}={as_override(default)}" if default != "" else words
+    return f"{words} like {key}={as_override(default)}" if default not in ("", []) else words
 
 
 def shown(value):
