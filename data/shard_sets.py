@@ -23,6 +23,11 @@ then the run stops with one line naming the URL and the option that names the se
 those copies when the server cannot be reached, so a run's cached shards are evaluated without it. Local shards are
 read where they are. A shard opened (with wids' IndexedTarSamples) is checked against its index's size and sample
 count, and every image's bytes against their CRC-32 as they are read.
+
+A set's files may come from anyone's server, so every field of the top file and indexes is checked before use
+(digests, counts, files named inside the set and, at a URL, on the origin of the file that names them or on
+data.shard_hosts; redirects too), both are read up to a bound (TOP_BYTES, INDEX_BYTES), and a shard's download
+stops at its index's size, which its temporary file holds in data.shard_cache_gb from the download's start.
 """
 
 import collections
