@@ -101,7 +101,7 @@ def validate(args):
     precision, dtype = inference_precision(args.precision, cfg.train.precision, device)
     _, workers, _ = set_threads(cfg.data.workers if args.workers is None else args.workers, device_type=device.type)
     dataset = named_eval_dataset(args.data or cfg.data.name, args.split, val_transforms(cfg.data), classes,
-                                 args.weights, cfg.data.csv_allow_outside, cfg.data.cache_dir)
+                                 args.weights, cfg.data.csv_allow_outside, cfg.data.cache_dir, cfg.data.shard_hosts)
     check_task(dataset, cfg.data.multilabel, args.data or cfg.data.name)
     if cfg.data.skip_corrupt and hasattr(dataset, "samples"):  # as training did: its recorded top-1 left them out
         skipped = skip_unreadable(dataset)

@@ -353,12 +353,12 @@ def input_feed(cfg, device):
     return "bytes" if jpegs and decodes_on_device(cfg, device) else "files"
 
 
-def named_eval_dataset(name, split, transform, classes, weights, allow_outside=False, cache_dir=""):
+def named_eval_dataset(name, split, transform, classes, weights, allow_outside=False, cache_dir="", shard_hosts=()):
     """data.name's split (train, val or test) labelled with the classes a checkpoint (weights) was trained on;
-    CIFAR's val is its test set. allow_outside: data.csv_allow_outside; cache_dir: data.cache_dir (a shard set's
-    node cache)."""
+    CIFAR's val is its test set. allow_outside: data.csv_allow_outside; cache_dir, shard_hosts: data.cache_dir (a
+    shard set's node cache), data.shard_hosts."""
     if names_shards(name):
-        return eval_shards(name, split, transform, classes, weights, cache_dir)
+        return eval_shards(name, split, transform, classes, weights, cache_dir, list(shard_hosts))
     if name not in CIFAR:
         return eval_dataset(dataset_root(name), split, transform, classes, weights, allow_outside)
     dataset = cifar_dataset(name, split == "train", transform)

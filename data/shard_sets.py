@@ -23,6 +23,11 @@ then the run stops with one line naming the URL and the option that names the se
 those copies when the server cannot be reached, so a run's cached shards are evaluated without it. Local shards are
 read where they are. A shard opened (with wids' IndexedTarSamples) is checked against its index's size and sample
 count, and every image's bytes against their CRC-32 as they are read.
+
+A set's files may come from anyone's server, so every field of the top file and indexes is checked before use
+(digests, counts, files named inside the set and, at a URL, on the origin of the file that names them or on
+data.shard_hosts; redirects too), both are read up to a bound (TOP_BYTES, INDEX_BYTES), and a shard's download
+stops at its index's size, which its temporary file holds in data.shard_cache_gb from the download's start.
 """
 
 import collections
@@ -33,6 +38,7 @@ import http.client
 import io
 import json
 import os
+import re
 import socket
 import struct
 import threading
@@ -62,6 +68,16 @@ FETCH_TRIES = 6  # a failing fetch is tried this many times, waiting 1, 2, 4, 8,
 FETCH_TIMEOUT = 60  # seconds without a byte from the server before a try fails
 FETCH_MIN_RATE = 100e3  # bytes a second: a try arriving slower on average (after FETCH_TIMEOUT) fails
 ANSWER_NOTICE = 5  # seconds a try waits for the server's answer before rank 0 says it is waiting
+# The most bytes read of a fetched top file and index, so that a server cannot fill memory with one: every rank
+# parses them whole. The top file holds class names (ImageNet-21k's 21,841 take under 1 MB); the writers write
+# about 40 bytes a sample into an index, so 1 GiB holds 25 million samples, ImageNet-21k's 14 million with room.
+TOP_BYTES = 64 * 2**20
+INDEX_BYTES = 2**30
+SHARD_BYTES = 2**40  # the most a shard's filesize may say: far above the 1 GB WebDataset advises
+COUNT_MOST = 10**9  # the most samples a shard (or a split's count in the top file) may hold
+SHA256 = re.compile(r"[0-9a-f]{64}")
+CACHED = re.compile(r"[0-9a-f]{16}-.*", re.S)  # a cached shard: its SHA-256's start, then its name (ShardCache.local)
+FETCHING = re.compile(r"\.[0-9a-f]{16}-.*\.tmp-.*", re.S)  # one being fetched (ShardCache.fetch)
 
 
 def is_url(name):
@@ -96,28 +112,30 @@ def said(line):
     LOGGER.info(f"{colorstr('data:')} {line}")
 
 
-def read_location(location, what, cache=None):
-    """The bytes of a local file or a URL (retried with back-off, see retried; a host that does not resolve is not:
-    data.name is mistyped more often than a name server fails at the start). A URL's bytes are kept in
-    cache (a ShardCache); with its use_copies, that copy is read when the server cannot be reached, after one try."""
+def read_location(location, what, cache=None, limit=TOP_BYTES, parse=lambda content: content, hosts=()):
+    """parse(the bytes of a local file or a URL): parse raises on bad content, before anything is kept. A URL is
+    read up to limit bytes (retried with back-off, see retried; a host that does not resolve is not: data.name is
+    mistyped more often than a name server fails at the start) and its bytes kept in cache (a ShardCache); with its
+    use_copies, that copy is read when the server cannot be reached, after one try. hosts: see download."""
     if not is_url(location):
         try:
-            return Path(location).read_bytes()
+            return parse(Path(location).read_bytes())
         except OSError as e:
             raise DatasetError(f"data.name: {location}: {what} cannot be read ({e.strerror or e})") from None
     buffer = io.BytesIO()
 
     def fetch(answered):
-        download(location, buffer, answered=answered)
+        download(location, buffer, limit, what=what, answered=answered, hosts=hosts)
+        content = parse(buffer.getvalue())
         if cache:
             cache.keep_copy(location, buffer.getvalue())
-        return buffer.getvalue()
+        return content
 
     then = "check the server and data.name"
     copy = cache.copy_of(location) if cache else None
     if cache and cache.use_copies and copy.is_file():
         return retried(location, fetch, DatasetError, then, tries=1,
-                       instead=lambda reason: read_copy(location, copy, reason))
+                       instead=lambda reason: parse(read_copy(location, copy, reason)))
     return retried(location, fetch, DatasetError, then, dns=False)
 
 
@@ -136,28 +154,81 @@ class ShortTransfer(OSError):
     """The server closed the connection before the body's announced length: retried."""
 
 
-def download(url, out, size=0, answered=lambda: None):
-    """Copy url's body into the file object out (from its start), 1 MiB at a time, calling answered() once the
-    server has answered. A body shorter than announced, or arriving slower than FETCH_MIN_RATE on average (a
-    trickling server), fails the try."""
-    out.seek(0)
-    out.truncate()
+class LongTransfer(OSError):
+    """The server sent more than the file may hold (a stream without end): retried."""
+
+
+class Refused(Exception):
+    """A transfer ruled out before its body is read (a length the index contradicts, a redirect to another host): not
+    retried."""
+
+
+def origin(url):
+    """(scheme, host, port) of a URL, the port its scheme's where it names none."""
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    return scheme, parts.hostname or "", parts.port or {"http": 80, "https": 443}.get(scheme)
+
+
+def host_of(url):
+    """A URL's host:port, as data.shard_hosts names it."""
+    _, host, port = origin(url)
+    return f"{host}:{port}"
+
+
+def on_allowed_host(url, base, hosts):
+    """Whether url is on base's origin or on one of hosts (data.shard_hosts: host, or host:port)."""
+    hosts = {host.lower() for host in hosts}
+    return origin(url) == origin(base) or origin(url)[1] in hosts or host_of(url) in hosts
+
+
+class KeptRedirects(urllib.request.HTTPRedirectHandler):
+    """Redirects followed on the origin of the URL asked for, or to data.shard_hosts: the rule files' URLs follow."""
+
+    def __init__(self, hosts):
+        self.hosts = hosts
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if not on_allowed_host(newurl, req.full_url, self.hosts):
+            fp.close()
+            raise Refused(f"the server redirects to {newurl}, another host; add {host_of(newurl)} to "
+                          f"data.shard_hosts to fetch from it")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def download(url, out, limit, exact=False, what="the shard", answered=lambda: None, hosts=()):
+    """Copy url's body into the file object out (from its start, out cut at its end), 1 MiB at a time, calling
+    answered() once the server has answered; redirects are followed on url's origin or to hosts. The body may hold
+    limit bytes at most (exact: the shard index's size, which a Content-Length must announce, else the transfer is
+    refused unread). A body longer than that (a server streaming without end), shorter than announced, or arriving
+    slower than FETCH_MIN_RATE on average (a trickling server), fails the try; every read waits FETCH_TIMEOUT s."""
+    out.seek(0)  # not truncated: a shard's temporary file keeps the size it reserves (ShardCache.fetch)
     started, received = time.monotonic(), 0
-    with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT) as response:
+    with urllib.request.build_opener(KeptRedirects(hosts)).open(url, timeout=FETCH_TIMEOUT) as response:
         answered()
         announced = response.headers.get("Content-Length")
-        expected = int(announced) if announced and announced.isdigit() else size  # size: 0 where unknown
-        while chunk := response.read1(1 << 20):  # what has arrived, up to 1 MiB: read() would wait for all of it
+        announced = int(announced) if announced and announced.isdigit() else None
+        if exact and announced not in (None, limit):
+            raise Refused(f"the server announces {announced} bytes, the shard index says {limit}: the shard was "
+                          f"changed since its index was written")
+        if announced is not None and announced > limit:
+            raise Refused(f"the server announces {announced} bytes: {what} is read up to {size_text(limit)}")
+        expected = announced or (limit if exact else 0)  # 0: unknown
+        while chunk := response.read1(min(1 << 20, limit + 1 - received)):  # what has arrived: read() would wait
+            received += len(chunk)
+            if received > limit:
+                raise LongTransfer(f"the server sent more than the {limit} bytes the shard index says" if exact else
+                                   f"the server sent more than {size_text(limit)}: {what} is read up to that")
             try:
                 out.write(chunk)
             except OSError as e:
                 raise CacheWriteError(e.strerror or str(e)) from None
-            received += len(chunk)
             elapsed = time.monotonic() - started
             if elapsed > FETCH_TIMEOUT + max(expected, received) / FETCH_MIN_RATE:
                 raise TimeoutError(f"{received} of {expected or 'unknown'} bytes in {elapsed:.3g} s: slower than "
                                    f"{FETCH_MIN_RATE / 1e3:,.0f} kB/s on average")
-    if announced and received != expected:
+    out.truncate()
+    if announced is not None and received != expected:
         raise ShortTransfer(f"the connection closed after {received} of {expected} bytes")
 
 
@@ -174,6 +245,8 @@ def retried(url, work, error=ImageError, then=RESUME, dns=True, tries=FETCH_TRIE
         waiting.start()
         try:
             return work(waiting.cancel)
+        except Refused as e:
+            raise error(f"data.name: {url}: {e}") from None
         except urllib.error.HTTPError as e:
             reason = f"HTTP {e.code} {e.reason}"
             if e.code in (403, 404, 410):
@@ -196,22 +269,28 @@ def retried(url, work, error=ImageError, then=RESUME, dns=True, tries=FETCH_TRIE
                 f"{backoff() * (2 ** (tries - 1) - 1):.3g} s ({reason}); {then}")
 
 
-def read_json(location, kind, what, fields, cache=None):
-    """A JSON file of the given __kind__ with fields {field: type}, with errors that name it, the field and
-    data.name; cache: see read_location."""
-    try:
-        content = json.loads(read_location(location, what, cache))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DatasetError(f"data.name: {location}: {what} is not JSON ({e})") from None
-    if not isinstance(content, dict) or content.get("__kind__") != kind:
-        raise DatasetError(f"data.name: {location}: {what} is not a {kind} file (its __kind__ is "
-                           f"{content.get('__kind__') if isinstance(content, dict) else None!r})")
-    for field, kind_of in fields.items():
-        if not isinstance(content.get(field), kind_of):
-            raise DatasetError(f"data.name: {location}: {what} has no {field} {kind_of.__name__} (it has "
-                               f"{sorted(k for k in content if k != '__kind__')})" if field not in content else
-                               f"data.name: {location}: {what}'s {field} is not a {kind_of.__name__}")
-    return content
+def read_json(location, kind, what, fields, cache=None, limit=TOP_BYTES, check=lambda content: None, hosts=()):
+    """A JSON file of the given __kind__ with fields {field: type}, read up to limit bytes and given to check (which
+    raises on a bad field) before its copy is kept, with errors that name it, the field and data.name; cache, hosts:
+    see read_location."""
+
+    def parsed(raw):
+        try:
+            content = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DatasetError(f"data.name: {location}: {what} is not JSON ({e})") from None
+        if not isinstance(content, dict) or content.get("__kind__") != kind:
+            raise DatasetError(f"data.name: {location}: {what} is not a {kind} file (its __kind__ is "
+                               f"{content.get('__kind__') if isinstance(content, dict) else None!r})")
+        for field, kind_of in fields.items():
+            if not isinstance(content.get(field), kind_of):
+                raise DatasetError(f"data.name: {location}: {what} has no {field} {kind_of.__name__} (it has "
+                                   f"{sorted(k for k in content if k != '__kind__')})" if field not in content else
+                                   f"data.name: {location}: {what}'s {field} is not a {kind_of.__name__}")
+        check(content)
+        return content
+
+    return read_location(location, what, cache, limit, parsed, hosts)
 
 
 def malformed(location, problem):
@@ -219,19 +298,58 @@ def malformed(location, problem):
                         f"`python -m data.shard_index`, or write the set with `python -m data.shards`")
 
 
-class ShardSplit:
-    """One split of a shard set: its shards (each with its location resolved), classes and samples' labels."""
+def reference_problem(base, reference, hosts):
+    """What is wrong with the name of a shard or index in the file at base, or None: a local set's is a path inside
+    the folder of the file that names it; a URL's may be an absolute http(s) URL too, on base's origin (scheme,
+    host and port) or on one of hosts (data.shard_hosts)."""
+    if not reference:
+        return "is empty"
+    if "\\" in reference or "\0" in reference:
+        return "holds a backslash or a NUL"
+    parts = urllib.parse.urlsplit(reference) if is_url(base) else None
+    if not parts:
+        path = reference
+        if is_url(reference):
+            return "is a URL: a local set names its files by paths relative to the file that names them"
+    elif parts.scheme or parts.netloc:
+        path, url = parts.path, urllib.parse.urljoin(base, reference)
+        try:
+            if not is_url(url) or not origin(url)[1]:
+                return "is not an http(s) URL"
+        except ValueError:  # a port that is not a number
+            return "is not an http(s) URL"
+        if not on_allowed_host(url, base, hosts):
+            return f"is on another host than {base}; add {host_of(url)} to data.shard_hosts to fetch from it"
+    else:
+        path = urllib.parse.unquote(parts.path)  # as a server may read %2e%2e
+    if path.startswith("/") and not (parts and (parts.scheme or parts.netloc)):
+        return "is an absolute path"
+    if ".." in path.split("/"):
+        return "climbs out of its folder ('..')"
+    return None
 
-    def __init__(self, index_location, classes, cache=None):
-        index = read_json(index_location, INDEX_KIND, "the shard index", {"shardlist": list}, cache)
-        self.location, self.classes = index_location, list(classes)
+
+class ShardSplit:
+    """One split of a shard set: its shards (each with its location resolved), classes and samples' labels, every
+    field of its index checked before use (the index may come from a server: see checked_entry). hosts: see
+    reference_problem."""
+
+    def __init__(self, index_location, classes, cache=None, hosts=()):
+        self.location, self.classes, self.hosts = index_location, list(classes), hosts
+        read_json(index_location, INDEX_KIND, "the shard index", {"shardlist": list}, cache, INDEX_BYTES, self.take,
+                  hosts)
+
+    def take(self, index):
+        """The index's shards and per-sample lists, checked."""
+        if index.get("wids_version", 1) != 1:
+            raise malformed(self.location, f"its wids_version is {str(index['wids_version'])[:40]}, not 1")
         if not index["shardlist"]:
-            raise DatasetError(f"data.name: {index_location}: the shard index lists no shards")
-        entries = [checked_entry(index_location, shard) for shard in index["shardlist"]]
+            raise DatasetError(f"data.name: {self.location}: the shard index lists no shards")
+        entries = [checked_entry(self.location, k, shard, self.hosts) for k, shard in enumerate(index["shardlist"])]
         self.shards = [entry for entry, _ in entries]  # without per-sample lists: every process and worker holds it
         self.labels, self.crcs, sizes = (np.concatenate(column) for column in zip(*(c for _, c in entries)))
-        if len(self.labels) and self.labels.max() >= len(classes):
-            raise DatasetError(f"data.name: {index_location}: labels outside the {len(classes)} classes")
+        if len(self.labels) and self.labels.max() >= len(self.classes):
+            raise DatasetError(f"data.name: {self.location}: labels outside the {len(self.classes)} classes")
         self.sizes = torch.from_numpy(sizes)  # (height, width)
         self.lengths = np.array([s["nsamples"] for s in self.shards], np.int64)
 
@@ -240,13 +358,18 @@ class ShardSplit:
         return [[Path(urllib.parse.urlparse(s["url"]).path).name, s.get("sha256", "")] for s in self.shards]
 
 
-def checked_entry(index_location, shard):
-    """(an index's shard entry, its url resolved against the index and its per-sample lists left out; those lists
-    as arrays: labels (int64), crcs (uint32), sizes ((n, 2) int64)), checked for what reading needs."""
+def checked_entry(index_location, k, shard, hosts=()):
+    """(an index's shard entry k, its url resolved against the index and its per-sample lists left out; those lists
+    as arrays: labels (int64), crcs (uint32), sizes ((n, 2) int64)), each field checked: its url (reference_problem),
+    counts (check_counts) and per-sample lists."""
     if not (isinstance(shard, dict) and isinstance(shard.get("url"), str) and isinstance(shard.get("nsamples"), int)):
         raise malformed(index_location, f"a shardlist entry lacks a url or nsamples ({str(shard)[:80]})")
     url, n = shard["url"], shard["nsamples"]
-    entry = {**{k: v for k, v in shard.items() if k not in ("labels", "crcs", "sizes")},
+    problem = reference_problem(index_location, url, hosts)
+    if problem:
+        raise DatasetError(f"data.name: {index_location}: shard {k}'s url {url[:120]!r} {problem}")
+    check_counts(index_location, shard, is_url(index_location))
+    entry = {**{key: value for key, value in shard.items() if key not in ("labels", "crcs", "sizes")},
              "url": resolve(index_location, url)}
     try:
         labels, crcs, sizes = (np.asarray(shard.get(key, ())) for key in ("labels", "crcs", "sizes"))
@@ -265,22 +388,57 @@ def checked_entry(index_location, shard):
     return entry, (labels.astype(np.int64), crcs.astype(np.uint32), sizes.astype(np.int64))
 
 
-def open_shard_set(name, cache=None, only=None):
+def check_counts(index_location, shard, fetched):
+    """A shard entry's nsamples, filesize and sha256 (the cache names its copy by it): whole numbers in range and a
+    hex digest. A shard fetched from a server needs the last two: they bound its download and check it."""
+    url = shard["url"]
+    for field, most in (("nsamples", COUNT_MOST), ("filesize", SHARD_BYTES)):
+        value = shard.get(field, 0)
+        if type(value) is not int or not 0 <= value <= most:  # type: not a bool
+            raise malformed(index_location, f"{url}: its {field} is not a whole number from 0 to {most} "
+                                            f"({str(value)[:40]})")
+    digest = shard.get("sha256", "0" * 64)
+    if not (isinstance(digest, str) and SHA256.fullmatch(digest)):
+        raise malformed(index_location, f"{url}: its sha256 is not 64 lowercase hex digits ({str(digest)[:80]!r})")
+    if fetched and not ("filesize" in shard and "sha256" in shard):
+        raise malformed(index_location, f"{url}: it has no {'sha256' if 'filesize' in shard else 'filesize'}, which "
+                                        f"a shard fetched from a server needs (its download is bounded and checked by "
+                                        f"its filesize and sha256)")
+
+
+def open_shard_set(name, cache=None, only=None, hosts=()):
     """(classes, {split: ShardSplit}) of the shard set data.name names: its top file and its
     splits' indexes (only: that split's, if the set has it) read, or fetched, by every rank: they are small beside
-    the shards. cache: the ShardCache keeping the copies of those fetched (see read_location)."""
+    the shards. Every field is checked before use (check_top). cache: the ShardCache keeping the copies of those
+    fetched (see read_location); hosts: data.shard_hosts (see reference_problem)."""
     top_file = top_location(name)
-    top = read_json(top_file, KIND, "the shard set's top file", {"classes": list, "splits": dict}, cache)
-    classes = top["classes"]
-    if not classes or not all(isinstance(c, str) for c in classes):
-        raise DatasetError(f"data.name: {top_file}: its classes are not a list of class names")
-    if not all(isinstance(index, str) for index in top["splits"].values()):
-        raise DatasetError(f"data.name: {top_file}: its splits do not map each split to its index file")
+    top = read_json(top_file, KIND, "the shard set's top file", {"classes": list, "splits": dict}, cache,
+                    check=lambda content: check_top(top_file, content, hosts), hosts=hosts)
     if only is not None and only not in top["splits"]:
         raise DatasetError(f"data.name: {top_file}: no {only} split (it names {sorted(top['splits'])})")
     wanted = [only] if only is not None else list(top["splits"])
-    return classes, {split: ShardSplit(resolve(top_file, top["splits"][split]), classes, cache)
-                     for split in wanted}
+    return top["classes"], {split: ShardSplit(resolve(top_file, top["splits"][split]), top["classes"], cache, hosts)
+                            for split in wanted}
+
+
+def check_top(top_file, top, hosts):
+    """A top file's classes (distinct names, one line each), splits (each naming its index: reference_problem) and
+    image counts."""
+    classes = top["classes"]
+    if not classes or not all(isinstance(c, str) and c and "\0" not in c and "\n" not in c for c in classes):
+        raise DatasetError(f"data.name: {top_file}: its classes are not a list of class names")
+    if len(set(classes)) < len(classes):
+        twice = next(c for i, c in enumerate(classes) if c in classes[:i])
+        raise DatasetError(f"data.name: {top_file}: its classes name {twice[:80]!r} twice")
+    if not all(isinstance(index, str) for index in top["splits"].values()):
+        raise DatasetError(f"data.name: {top_file}: its splits do not map each split to its index file")
+    for split, index in top["splits"].items():
+        problem = reference_problem(top_file, index, hosts)
+        if problem:
+            raise DatasetError(f"data.name: {top_file}: its {split[:40]} split's index {index[:120]!r} {problem}")
+    images = top.get("images", {})
+    if not isinstance(images, dict) or not all(type(n) is int and 0 <= n <= COUNT_MOST for n in images.values()):
+        raise DatasetError(f"data.name: {top_file}: its images are not a count from 0 to {COUNT_MOST} per split")
 
 
 class ShardCache:
@@ -291,15 +449,16 @@ class ShardCache:
     the set as data.name: val.py says it as --data, utils.distributed.exit_on_error). The top file and indexes fetched are
     kept here too; use_copies: read them when the server cannot be reached (val.py: the set a run trained on)."""
 
-    def __init__(self, folder, budget=0, then=RESUME, use_copies=False):
+    def __init__(self, folder, budget=0, then=RESUME, use_copies=False, hosts=()):
         self.folder, self.budget, self.then, self.use_copies = Path(folder), budget, then, use_copies
+        self.hosts = hosts  # data.shard_hosts: where a server may redirect a shard's fetch (download)
 
     def local(self, shard):
-        """The local path of shard (a ShardSplit entry), fetched first where it is a URL."""
+        """The local path of shard (a ShardSplit entry, its fields checked), fetched first where it is a URL."""
         url = shard["url"]
         if not is_url(url):
             return url
-        path = self.folder / f"{shard.get('sha256', '')[:16]}-{Path(urllib.parse.urlparse(url).path).name}"
+        path = self.folder / f"{shard['sha256'][:16]}-{Path(urllib.parse.urlparse(url).path).name}"
         try:
             os.utime(path)  # its time is its last use: the budget removes the shards least recently opened
         except FileNotFoundError:
@@ -307,7 +466,8 @@ class ShardCache:
         return str(path)
 
     def fetch(self, url, path, shard):
-        """Download url to path once per machine: under a lock, into a temporary file, checked, then renamed."""
+        """Download url to path once per machine: under a lock, into a temporary file of the shard's size (reserved
+        in the budget before the download, see make_room), checked, then renamed."""
         with self.disk_errors(), open(self.made_folder() / f".{path.name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another process of this machine may be fetching it
             if path.exists():
@@ -317,13 +477,21 @@ class ShardCache:
             tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{threading.get_ident()}")
             try:
                 with open(tmp, "w+b") as out:
-                    retried(url, lambda answered: download(url, out, shard.get("filesize", 0), answered),
-                            then=self.then)
+                    self.reserve(out, shard["filesize"])
+                    retried(url, lambda answered: download(url, out, shard["filesize"], exact=True,
+                                                           answered=answered, hosts=self.hosts), then=self.then)
                 check_shard(url, tmp, shard)
-                self.make_room(shard.get("filesize", 0))
                 os.replace(tmp, path)
             finally:
                 tmp.unlink(missing_ok=True)
+
+    def reserve(self, tmp, nbytes):
+        """Room for a download of nbytes, made under the folder's lock and held by its temporary file, cut to that
+        size (sparse: no disk yet), so that fetches at the same time count each other (make_room)."""
+        with open(self.folder / ".room.lock", "w") as room:
+            fcntl.flock(room, fcntl.LOCK_EX)
+            self.make_room(nbytes)
+            tmp.truncate(nbytes)
 
     def copy_of(self, url):
         """Where the copy of the top file or index fetched from url is kept (named by a digest of url alone)."""
@@ -356,17 +524,20 @@ class ShardCache:
                                f"there or give data.cache_dir=a folder on a local disk with room") from None
 
     def make_room(self, nbytes):
-        """Remove the least recently opened cached shards until nbytes more fit the budget."""
+        """Remove the least recently opened cached shards until nbytes more fit the budget, beside the shards cached
+        and those being fetched (their temporary files hold their whole size from the start)."""
         if not self.budget:
             return
-        cached = []
-        for path in self.folder.glob("*.tar"):
+        cached, held = [], 0
+        for path in self.folder.glob("*"):
+            if not (CACHED.fullmatch(path.name) or FETCHING.fullmatch(path.name)):
+                continue  # a lock or a copy of an index
             with contextlib.suppress(FileNotFoundError):  # another process of this machine removed it just now
                 info = path.stat()
-                cached.append((info.st_mtime, info.st_size, path))
-        cached.sort()
-        held = sum(size for _, size, _ in cached)
-        for _, size, path in cached:
+                held += info.st_size
+                if CACHED.fullmatch(path.name):
+                    cached.append((info.st_mtime, info.st_size, path))
+        for _, size, path in sorted(cached):
             if held + nbytes <= self.budget:
                 break
             path.unlink(missing_ok=True)  # a process reading it keeps its mapping
@@ -569,14 +740,14 @@ class ValShards(ShardSamples):
         return (self.transform(image) if self.transform else image), int(self.targets[i])
 
 
-def shard_cache(name, cache_dir="", budget_gb=0.0, then=RESUME, use_copies=False):
+def shard_cache(name, cache_dir="", budget_gb=0.0, then=RESUME, use_copies=False, hosts=()):
     """The node-local cache of data.name's shard set: data.cache_dir, or datasets/shard-cache/, then a folder per
     set (a digest of its location). A set behind a URL needs it writable, which is checked here, before any work.
-    then, use_copies: see ShardCache."""
+    then, use_copies, hosts: see ShardCache."""
     root = Path(cache_dir) if cache_dir else DATASETS_DIR / "shard-cache"
     location = top_location(name) if is_url(name) else str(Path(top_location(name)).resolve())
     cache = ShardCache(root / hashlib.sha256(location.encode()).hexdigest()[:16], int(budget_gb * 1e9), then,
-                       use_copies)
+                       use_copies, hosts)
     if is_url(name):
         with cache.disk_errors():
             probe = cache.made_folder() / f".probe-{socket.gethostname()}-{os.getpid()}"
@@ -596,8 +767,9 @@ def check_options(cfg):
 def shard_datasets(cfg, seed, spec, on_device, val_transform):
     """data.name's shard set as (TrainShards, ValShards), its train and val splits."""
     check_options(cfg)
-    cache = shard_cache(cfg.name, cfg.cache_dir, cfg.shard_cache_gb)
-    classes, splits = open_shard_set(cfg.name, cache=cache)
+    hosts = list(cfg.shard_hosts)
+    cache = shard_cache(cfg.name, cfg.cache_dir, cfg.shard_cache_gb, hosts=hosts)
+    classes, splits = open_shard_set(cfg.name, cache, hosts=hosts)
     missing = [split for split in ("train", "val") if split not in splits]
     if missing:
         raise DatasetError(f"data.name: {top_location(cfg.name)}: no {' or '.join(missing)} split (it names "
@@ -621,13 +793,13 @@ def check_budget(cfg, split):
                            f"lower data.shard_window")
 
 
-def eval_shards(name, split, transform, classes, weights, cache_dir=""):
+def eval_shards(name, split, transform, classes, weights, cache_dir="", hosts=()):
     """The shard set's split that name (val.py's --data, or the checkpoint's data.name) names,
     labelled as a checkpoint's classes, which it must have. Only that split's index is read; with the server down,
     the copies of the top file and index that training (or an earlier val.py) kept in the node cache are read, so
     that the shards cached there, checked when fetched, are evaluated without it."""
-    cache = shard_cache(name, cache_dir, then=RERUN, use_copies=True)
-    set_classes, splits = open_shard_set(name, cache, only=split)
+    cache = shard_cache(name, cache_dir, then=RERUN, use_copies=True, hosts=hosts)
+    set_classes, splits = open_shard_set(name, cache, only=split, hosts=hosts)
     if set_classes != list(classes):
         raise DatasetError(f"{top_location(name)}: its {len(set_classes)} classes are not the {len(classes)} classes "
                            f"{weights} was trained on")

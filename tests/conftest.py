@@ -204,14 +204,19 @@ def closed_port():
 
 
 @contextlib.contextmanager
-def http_server(root, stop_after=None, cut_first=0, trickle=False, no_length=False, log=None):
+def http_server(root, stop_after=None, cut_first=0, trickle=False, no_length=False, log=None, endless=None,
+                announce=None, redirect_to=None):
     """A real HTTP server (tests/http_server.py) serving root: yields (its base URL, its process). With stop_after,
     it exits when a request after the first stop_after GETs arrives, as a server that dies mid-run; with cut_first,
     the first cut_first shards it sends stop halfway; with trickle, it sends shards a byte every 50 ms (with
-    no_length, without announcing their length); with log, it appends `PATH BYTES` to that file for each GET."""
+    no_length, without announcing their length); with log, it appends `PATH BYTES` to that file for each GET; with
+    endless (a suffix), files ending so are followed by bytes without end; with announce, shards announce that
+    length; with redirect_to (a host name), shards asked for under another name are redirected there."""
     options = [*([] if stop_after is None else ["--stop-after", str(stop_after)]), "--cut-first", str(cut_first),
                *(["--trickle"] if trickle else []), *(["--no-length"] if no_length else []),
-               *([] if log is None else ["--log", str(log)])]
+               *([] if log is None else ["--log", str(log)]), *([] if endless is None else ["--endless", endless]),
+               *([] if announce is None else ["--announce", str(announce)]),
+               *([] if redirect_to is None else ["--redirect-to", redirect_to])]
     server = subprocess.Popen([sys.executable, "-u", str(ROOT / "tests" / "http_server.py"), str(root), *options],
                               stdout=subprocess.PIPE, text=True)
     try:

@@ -80,6 +80,7 @@ def test_an_unknown_key_like_no_other_points_to_the_key_table(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("data.scale=0.5", "data.scale must be a list of two numbers like data.scale=[0.08,1.0], got 0.5"),
+    ("data.shard_hosts=example.com", "data.shard_hosts must be a list of names, got 'example.com'"),
     ("data.scale=[a,b]", "data.scale must be a list of two numbers like data.scale=[0.08,1.0], got ['a', 'b']"),
     ("data.scale=[0.5,1", "data.scale must be a list of two numbers like data.scale=[0.08,1.0], got '[0.5,1', "
                           "which does not parse as YAML (while parsing a flow sequence)"),
@@ -128,7 +129,8 @@ def test_bad_values_name_the_key():
     cases = {"optim.name=sgdd": "optim.name", "train.precision=fp8": "train.precision", "device=tpu": "device",
              "model.name=resnet19": "closest: 'resnet18'", "data.scale=[0.5]": "data.scale",
              "train.epochs=0": "train.epochs", "data.hflip=1.5": "data.hflip", "seed=-1": "seed must be",
-             "name=' '": "name must be"}
+             "name=' '": "name must be", "data.shard_hosts=[http://example.com]": "data.shard_hosts must be a "
+             "list of hosts, each host or host:port"}
     for override, message in cases.items():
         with pytest.raises(RecipeError, match=message.replace("(", r"\(")):
             load_recipe("cls.yaml", [override], model_check=check_model_name)

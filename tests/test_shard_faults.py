@@ -55,7 +55,8 @@ def test_a_transfer_cut_short_is_fetched_again_and_one_always_cut_is_named(shard
     assert str(error.value) == (f"data.name: {shard['url']} cannot be fetched after 6 tries over 0.31 s (the "
                                 f"connection closed after {half} of {shard['filesize']} bytes); check the server, "
                                 f"then resume the run (weights/last.pt holds its last saved step)")
-    assert [p.name for p in (tmp_path / "cache-2").iterdir()] == [f".{Path(path).name}.lock"]  # no half shard
+    assert sorted(p.name for p in (tmp_path / "cache-2").iterdir()) == [f".{Path(path).name}.lock",
+                                                                        ".room.lock"]  # no half shard
 
 
 @pytest.mark.parametrize("no_length", [False, True])
@@ -241,6 +242,176 @@ def test_a_top_file_or_index_without_a_key_is_named(shard_set, tmp_path, change,
         open_shard_set(local)
     where = local / ("dataset.json" if "top file" in message else "train/index.json")
     assert str(error.value).startswith(f"data.name: {where}: {message}"), str(error.value)
+
+
+ADVICE = ("; index shards another tool wrote with `python -m data.shard_index`, or write the set with "
+          "`python -m data.shards`")
+
+
+def shard_field(k, field, value):
+    return lambda top, index: index["shardlist"][k].__setitem__(field, value)
+
+
+@pytest.mark.parametrize("change, message", [
+    (shard_field(0, "sha256", "../../elsewhere/" + "0" * 48), "train-000000.tar: its sha256 is not 64 lowercase hex "
+                                                              f"digits ('../../elsewhere/{'0' * 48}'){ADVICE}"),
+    (shard_field(0, "sha256", "A" * 64), f"train-000000.tar: its sha256 is not 64 lowercase hex digits ('{'A' * 64}')"
+                                         f"{ADVICE}"),
+    (shard_field(0, "url", "../../val/val-000000.tar"), "shard 0's url '../../val/val-000000.tar' climbs out of its "
+                                                        "folder ('..')"),
+    (shard_field(1, "url", "/etc/hostname"), "shard 1's url '/etc/hostname' is an absolute path"),
+    (shard_field(1, "url", "sub\\..\\x.tar"), "shard 1's url 'sub\\\\..\\\\x.tar' holds a backslash or a NUL"),
+    (shard_field(1, "url", "http://127.0.0.1/x.tar"), "shard 1's url 'http://127.0.0.1/x.tar' is a URL: a local set "
+                                                      "names its files by paths relative to the file that names them"),
+    (shard_field(0, "nsamples", True), f"train-000000.tar: its nsamples is not a whole number from 0 to 1000000000 "
+                                       f"(True){ADVICE}"),
+    (shard_field(0, "filesize", -1), f"train-000000.tar: its filesize is not a whole number from 0 to 1099511627776 "
+                                     f"(-1){ADVICE}"),
+    (lambda top, index: index.update(wids_version=2), f"its wids_version is 2, not 1{ADVICE}"),
+    (lambda top, index: top.update(classes=["a", "b", "a"]), "its classes name 'a' twice"),
+    (lambda top, index: top.update(classes=["a", "b\nc"]), "its classes are not a list of class names"),
+    (lambda top, index: top["splits"].update(train="../shards/train/index.json"),
+     "its train split's index '../shards/train/index.json' climbs out of its folder ('..')"),
+    (lambda top, index: top["images"].update(val=-6), "its images are not a count from 0 to 1000000000 per split"),
+])
+def test_a_hostile_top_file_or_index_is_refused_naming_the_file_shard_and_field(shard_set, tmp_path, change,
+                                                                                message):
+    local = tmp_path / "shards"
+    shutil.copytree(shard_set / "shards", local)
+    top, index = (json.loads(p.read_text()) for p in (local / "dataset.json", local / "train" / "index.json"))
+    change(top, index)
+    (local / "dataset.json").write_text(json.dumps(top))
+    (local / "train" / "index.json").write_text(json.dumps(index))
+    with pytest.raises(DatasetError) as error:
+        open_shard_set(local)
+    where = local / ("dataset.json" if message.startswith(("its classes", "its train", "its images")) else
+                     "train/index.json")
+    assert str(error.value) == f"data.name: {where}: {message}"
+
+
+def test_an_index_s_digest_that_names_a_path_writes_and_reads_nothing_outside_the_cache(shard_set, tmp_path):
+    """The issue's repro: a cache name built from sha256[:16] unchecked left data.cache_dir."""
+    copy = tmp_path / "served"
+    shutil.copytree(shard_set, copy)
+    index_file = copy / "shards" / "train" / "index.json"
+    index = json.loads(index_file.read_text())
+    index["shardlist"][0]["sha256"] = "../../elsewhere/" + "0" * 48  # 64 characters: 16 of them climb out
+    index_file.write_text(json.dumps(index))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    planted = elsewhere / "-train-000000.tar"
+    planted.write_bytes(b"a file the run must not read")
+    before = planted.stat().st_mtime_ns
+    cache = ShardCache(tmp_path / "node" / "cache")
+    cache.made_folder()
+    with http_server(copy) as (url, _):
+        with pytest.raises(DatasetError) as error:
+            split = open_shard_set(f"{url}/shards", cache)[1]["train"]
+            cache.local(split.shards[0])
+    assert str(error.value) == (f"data.name: {url}/shards/train/index.json: train-000000.tar: its sha256 is not 64 "
+                                f"lowercase hex digits ('../../elsewhere/{'0' * 48}'){ADVICE}")
+    assert [p.name for p in elsewhere.iterdir()] == ["-train-000000.tar"] and planted.stat().st_mtime_ns == before
+    assert not cache.copy_of(f"{url}/shards/train/index.json").exists()  # the bad index is not kept either
+
+
+def test_a_shard_server_that_sends_without_end_or_announces_another_size_is_stopped(shard_set, tmp_path,
+                                                                                      quick_retries, monkeypatch):
+    with http_server(shard_set, endless=".tar") as (url, _):
+        shard = open_shard_set(f"{url}/shards")[1]["train"].shards[0]
+        with pytest.raises(ImageError) as error:
+            ShardCache(tmp_path / "cache").local(shard)
+    assert str(error.value) == (f"data.name: {shard['url']} cannot be fetched after 6 tries over 0.31 s (the server "
+                                f"sent more than the {shard['filesize']} bytes the shard index says); check the "
+                                f"server, then resume the run (weights/last.pt holds its last saved step)")
+    assert not [p for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")]  # no partial file
+    with http_server(shard_set, announce=10**12) as (url, _):
+        shard = open_shard_set(f"{url}/shards")[1]["train"].shards[0]
+        with pytest.raises(ImageError) as error:
+            ShardCache(tmp_path / "cache-2").local(shard)  # refused at once: not tried again
+    assert str(error.value) == (f"data.name: {shard['url']}: the server announces 1000000000000 bytes, the shard "
+                                f"index says {shard['filesize']}: the shard was changed since its index was written")
+    assert not [p for p in (tmp_path / "cache-2").iterdir() if not p.name.endswith(".lock")]
+    monkeypatch.setattr(shard_sets, "INDEX_BYTES", 2**16)  # the index here is 2 kB; 64 kB of spaces is still JSON
+    with http_server(shard_set, endless="index.json") as (url, _):
+        with pytest.raises(DatasetError) as error:
+            open_shard_set(f"{url}/shards")
+    assert str(error.value) == (f"data.name: {url}/shards/train/index.json cannot be fetched after 6 tries over "
+                                f"0.31 s (the server sent more than 64.0 KiB: the shard index is read up to that); "
+                                f"check the server and data.name")
+    monkeypatch.setattr(shard_sets, "INDEX_BYTES", 1000)
+    with http_server(shard_set) as (url, _), pytest.raises(DatasetError) as error:
+        open_shard_set(f"{url}/shards")
+    size = (shard_set / "shards" / "train" / "index.json").stat().st_size
+    assert str(error.value) == (f"data.name: {url}/shards/train/index.json: the server announces {size} bytes: the "
+                                f"shard index is read up to 1000 B")
+
+
+def test_shards_and_indexes_on_another_host_are_refused_unless_data_shard_hosts_names_it(shard_set, tmp_path):
+    copy = tmp_path / "served"
+    shutil.copytree(shard_set, copy)
+    with http_server(copy, redirect_to="localhost") as (url, _):
+        port = url.rsplit(":", 1)[1]
+        index_file = copy / "shards" / "train" / "index.json"
+        index = json.loads(index_file.read_text())
+        first = index["shardlist"][0]["url"]
+        index["shardlist"][0]["url"] = f"{url}/shards/train/{first}"  # an absolute URL on the index's origin: taken
+        index["shardlist"][1]["url"] = f"http://localhost:{port}/shards/train/{index['shardlist'][1]['url']}"
+        index_file.write_text(json.dumps(index))
+        result = run_python("train.py", *RECIPE, f"data.name={url}/shards", f"project={tmp_path}",
+                            f"data.cache_dir={tmp_path}/cache")
+        assert result.returncode == 2 and not (tmp_path / "exp").exists(), result.stderr[-3000:]
+        assert result.stderr.strip() == (
+            f"train.py: error: data.name: {url}/shards/train/index.json: shard 1's url 'http://localhost:{port}/"
+            f"shards/train/train-000001.tar' is on another host than {url}/shards/train/index.json; add "
+            f"localhost:{port} to data.shard_hosts to fetch from it")
+        split = open_shard_set(f"{url}/shards", hosts=["LocalHost"])[1]["train"]  # a host: any of its ports
+        assert split.shards[0]["url"] == f"{url}/shards/train/{first}"
+        cache = ShardCache(tmp_path / "cache-2")
+        with pytest.raises(ImageError) as error:  # the server redirects every other shard to localhost
+            cache.local(split.shards[2])
+        assert str(error.value) == (f"data.name: {split.shards[2]['url']}: the server redirects to http://localhost:"
+                                    f"{port}/shards/train/train-000002.tar, another host; add localhost:{port} to "
+                                    f"data.shard_hosts to fetch from it")
+        hosted = ShardCache(tmp_path / "cache-3", hosts=[f"localhost:{port}"])
+        for shard in split.shards[1:3]:  # named on localhost; redirected there
+            assert Path(hosted.local(shard)).read_bytes() == served_file(copy, shard).read_bytes()
+        top = json.loads((copy / "shards" / "dataset.json").read_text())
+        top["splits"]["val"] = f"http://localhost:{port}/shards/val/index.json"
+        (copy / "shards" / "dataset.json").write_text(json.dumps(top))
+        with pytest.raises(DatasetError) as error:
+            open_shard_set(f"{url}/shards")
+    assert str(error.value) == (f"data.name: {url}/shards/dataset.json: its val split's index 'http://localhost:"
+                                f"{port}/shards/val/index.json' is on another host than {url}/shards/dataset.json; "
+                                f"add localhost:{port} to data.shard_hosts to fetch from it")
+
+
+def test_the_cache_budget_counts_the_shards_being_fetched(shard_set, tmp_path, monkeypatch):
+    """A fetch under way holds its shard's size in data.shard_cache_gb, so fetches at the same time stay within it."""
+    downloading, go_on = threading.Event(), threading.Event()
+    real_download = shard_sets.download
+
+    def held_download(url, out, *args, **kwargs):  # shard b's transfer waits, under way, until go_on
+        if url.endswith("train-000001.tar"):
+            downloading.set()
+            assert go_on.wait(30)
+        return real_download(url, out, *args, **kwargs)
+
+    monkeypatch.setattr(shard_sets, "download", held_download)
+    with http_server(shard_set) as (url, _):
+        a, b, c = open_shard_set(f"{url}/shards")[1]["train"].shards[:3]
+        folder = tmp_path / "cache"
+        cache = ShardCache(folder, budget=a["filesize"] + max(b["filesize"], c["filesize"]))
+        cache.local(a)
+        fetching_b = threading.Thread(target=cache.local, args=(b,))
+        fetching_b.start()
+        assert downloading.wait(30)
+        cache.local(c)  # a, b (under way) and c do not fit: a, the least recently opened, makes room
+        on_disk = sorted(p.name.split("-", 1)[1] for p in folder.glob("[0-9a-f]*"))
+        go_on.set()
+        fetching_b.join()
+    assert on_disk == ["train-000002.tar"]  # before b's fetch ended: a removed, c in
+    assert sorted(p.name.split("-", 1)[1] for p in folder.glob("[0-9a-f]*")) == ["train-000001.tar",
+                                                                                 "train-000002.tar"]
 
 
 def test_a_local_set_moved_before_a_resume_is_resumed_from_its_new_place(shard_set, tmp_path):

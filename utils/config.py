@@ -62,6 +62,7 @@ class DataConfig:
     jpeg_decode: str = "auto"  # data.cache=jpeg and shard sets: where training JPEGs are decoded: auto (the GPU on CUDA, else workers), cpu (workers) or device
     shard_window: int = 8  # shard sets: each epoch shuffles the shards, then the samples within windows of this many shards
     shard_cache_gb: float = 0.0  # shard sets at a URL: the most GB of training shards each machine keeps; 0: every shard fetched
+    shard_hosts: list[str] = field(default_factory=list)  # shard sets at a URL: other hosts (host or host:port) whose shards and indexes the set's files may name; by default only the origin of the file that names them
     workers: str = "auto"  # DataLoader workers per process, or auto (by data.cache and device; printed)
     drop_last: bool = False  # train: drop each epoch's last partial global batch (so no step sees a batch of one)
     skip_corrupt: bool = False  # check each image once first (in parallel, cached next to the data); skip unreadable ones
@@ -191,7 +192,7 @@ CHANGES_RESULTS_WHEN = {
     # device and data.workers are mostly 'auto', a request rather than what ran; train.deterministic trades speed
     # for runs that repeat exactly.
     **dict.fromkeys(("project", "name", "device", "data.workers", "data.cache_dir", "data.shard_cache_gb",
-                     "data.skip_corrupt", "data.csv_allow_outside", "train.log_every_steps", "train.save_every_steps",
+                     "data.shard_hosts", "data.skip_corrupt", "data.csv_allow_outside", "train.log_every_steps", "train.save_every_steps",
                      "train.compile", "train.channels_last", "train.deterministic", "ddp.bucket_cap_mb",
                      "ddp.gradient_as_bucket_view"), never),
 }
@@ -307,10 +308,10 @@ def expected(key):
     kind, default = schema_leaves()[key]
     if isinstance(default, list):
         count = {2: "two ", 3: "three "}.get(LIST_LENGTHS.get(key), "")
-        words = f"a list of {count}numbers"
+        words = f"a list of {count}{'names' if kind == list[str] else 'numbers'}"
     else:
         words = TYPE_WORDS[kind]
-    return f"{words} like {key}={as_override(default)}" if default != "" else words
+    return f"{words} like {key}={as_override(default)}" if default not in ("", []) else words
 
 
 def shown(value):
@@ -544,6 +545,8 @@ def check_data_values(cfg, require):
     require(cfg.data.sampler in ("shuffle", "balanced"), "data.sampler", "shuffle or balanced")
     require(cfg.data.shard_window >= 1, "data.shard_window", "a number of shards >= 1")
     require(cfg.data.shard_cache_gb >= 0, "data.shard_cache_gb", ">= 0 (0: keep every fetched shard)")
+    require(all(host and not set("/ @") & set(host) for host in cfg.data.shard_hosts), "data.shard_hosts",
+            "a list of hosts, each host or host:port (no scheme, path or user)")
     for key in ("auto_augment", "random_erase"):
         require(cfg.data.cache == "none" or not cfg.data[key], f"data.{key}",
                 f"off with data.cache={cfg.data.cache}, which crops and flips whole batches (it runs per image: set "
