@@ -6,15 +6,13 @@ spaces: 'golden retriever|ball'; its val.csv is read the same way), else by spac
 image with none of the classes."""
 
 import csv
-import os
-import shutil
-import socket
 
 import numpy as np
 import torch
 from PIL import Image
 
 from utils.general import DatasetError
+from utils.once import atomic_write
 
 SIDE = 8  # pixels of a scikit-learn digit; multidigits' images are GRID x GRID of them
 GRID = 2
@@ -73,11 +71,12 @@ def check_task(train_set, multilabel, name, val_set=None):
                            f"average precision (mAP) or recall; give val images with labels")
 
 
-def write_multidigits(root):
+def write_multidigits(root, report=lambda n: None):
     """Write the embedded multi-label set: 16x16 images of a 2x2 grid of scikit-learn's 8x8 digits, 2 or 3 different
     digits in distinct cells (the rest black), labelled with the digits present; train.csv and val.csv (path,labels,
     space-separated) over images/. Train images are made from the digits of the single-label set's train split,
-    val images from its val split (the same fixed, stratified 80/20 split), so no digit image is in both."""
+    val images from its val split (the same fixed, stratified 80/20 split), so no digit image is in both. report(1)
+    after each image."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -86,24 +85,26 @@ def write_multidigits(root):
     pools = dict(zip(("train", "val"), train_test_split(np.arange(len(pixels)), test_size=0.2,
                                                         stratify=digits.target, random_state=0)))
     rng = np.random.default_rng(0)
-    tmp = root.with_name(f".{root.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    for split, pool in pools.items():
-        by_digit = [pool[digits.target[pool] == d] for d in range(10)]
-        (tmp / "images" / split).mkdir(parents=True)
-        with open(tmp / f"{split}.csv", "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["path", "labels"])
-            for i in range(IMAGES[split]):
-                chosen = rng.choice(10, size=rng.choice(DIGITS_PER_IMAGE), replace=False)
-                cells = rng.choice(GRID * GRID, size=len(chosen), replace=False)
-                image = np.zeros((GRID * SIDE, GRID * SIDE), np.uint8)
-                for digit, cell in zip(chosen, cells):
-                    y, x = divmod(int(cell), GRID)
-                    image[y * SIDE : (y + 1) * SIDE, x * SIDE : (x + 1) * SIDE] = pixels[rng.choice(by_digit[digit])]
-                name = f"images/{split}/{i:05d}.png"
-                Image.fromarray(image).save(tmp / name)
-                writer.writerow([name, " ".join(str(d) for d in sorted(chosen))])
-    try:
-        os.replace(tmp, root)
-    except OSError:  # another process (e.g. another node on a shared disk) finished first
-        shutil.rmtree(tmp, ignore_errors=True)
+    with atomic_write(root, first_wins=True) as tmp:  # another machine on a shared disk may finish first
+        for split, pool in pools.items():
+            write_multidigits_split(tmp, split, pool, digits, pixels, rng, report)
+
+
+def write_multidigits_split(tmp, split, pool, digits, pixels, rng, report):
+    """Write one split of the embedded multi-label set into tmp: its images and its CSV."""
+    by_digit = [pool[digits.target[pool] == d] for d in range(10)]
+    (tmp / "images" / split).mkdir(parents=True)
+    with open(tmp / f"{split}.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["path", "labels"])
+        for i in range(IMAGES[split]):
+            chosen = rng.choice(10, size=rng.choice(DIGITS_PER_IMAGE), replace=False)
+            cells = rng.choice(GRID * GRID, size=len(chosen), replace=False)
+            image = np.zeros((GRID * SIDE, GRID * SIDE), np.uint8)
+            for digit, cell in zip(chosen, cells):
+                y, x = divmod(int(cell), GRID)
+                image[y * SIDE : (y + 1) * SIDE, x * SIDE : (x + 1) * SIDE] = pixels[rng.choice(by_digit[digit])]
+            name = f"images/{split}/{i:05d}.png"
+            Image.fromarray(image).save(tmp / name)
+            writer.writerow([name, " ".join(str(d) for d in sorted(chosen))])
+            report(1)
