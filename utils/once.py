@@ -101,7 +101,8 @@ def clean_leftovers(path):
             continue
         host, pid = writer
         try:
-            gone = not alive(pid) if host == HOST else time.time() - leftover.stat().st_mtime > OTHER_HOST_LEFTOVER_SECONDS
+            age = time.time() - leftover.stat().st_mtime
+            gone = not alive(pid) if host == HOST else age > OTHER_HOST_LEFTOVER_SECONDS
         except FileNotFoundError:  # its writer finished meanwhile
             continue
         if gone:
