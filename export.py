@@ -15,7 +15,6 @@ import argparse
 import importlib.util
 import inspect
 import json
-import os
 import warnings
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from utils.checkpoint import load_model_checkpoint
 from utils.config import checkpoint_recipe
 from utils.distributed import exit_on_error
 from utils.general import LOGGER, UsageError, colorstr
+from utils.once import atomic_write
 
 SUFFIXES = {"torchscript": ".torchscript", "onnx": ".onnx"}
 ATOL, RTOL = 1e-4, 1e-3  # exported logits must match PyTorch's within ATOL + RTOL * |PyTorch's| (fp32 on the CPU)
@@ -85,14 +85,10 @@ def export(args):
     results = {}
     for fmt in args.format:
         path = weights.with_suffix(SUFFIXES[fmt])
-        tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")  # in place only once checked
-        try:
+        with atomic_write(path, suffix=path.suffix) as tmp:  # in place only once checked
             run = (export_torchscript if fmt == "torchscript" else export_onnx)(model, example, metadata, tmp,
                                                                                 args.dynamic_batch)
             difference = check_outputs(model, run, checks, f"{fmt} ({path})")
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
         LOGGER.info(f"{colorstr(fmt + ':')} {path} ({path.stat().st_size / 1e6:.1f} MB); outputs match PyTorch's "
                     f"within {ATOL:g} + {RTOL:g} x |output| (largest difference {difference:.1e} on batches of "
                     f"{', '.join(str(len(x)) for x in checks)})")

@@ -2,8 +2,6 @@
 (class folders, CSVs or a held-out split: data/layouts.py), or CIFAR-10/100 (data/cifar.py)."""
 
 import os
-import shutil
-import socket
 from collections import Counter
 from pathlib import Path
 
@@ -31,13 +29,14 @@ from utils.checkpoint import run_dir_of
 from utils.config import names_shards
 from utils.distributed import on_rank0
 from utils.general import LOGGER, RANK, WORLD_SIZE, DatasetError, ImageError, colorstr, short_path
-from utils.waiting import once_per_machine
+from utils.once import atomic_write, once_per_machine
 
 LARGE_IMAGES = 2  # training images whose median shorter side is this many times the size the model sees are said
 
 
-def write_digits(root):
-    """Write scikit-learn's 1,797 real 8x8 handwritten digits as a PNG ImageFolder, fixed stratified 80/20 split."""
+def write_digits(root, report=lambda n: None):
+    """Write scikit-learn's 1,797 real 8x8 handwritten digits as a PNG ImageFolder, fixed stratified 80/20 split;
+    report(1) after each image."""
     from sklearn.datasets import load_digits  # the images ship inside scikit-learn; nothing is downloaded
     from sklearn.model_selection import train_test_split
 
@@ -45,17 +44,13 @@ def write_digits(root):
     pixels = np.round(digits.images * (255 / 16)).astype(np.uint8)  # values are 0..16 in the source
     train_idx, val_idx = train_test_split(
         np.arange(len(pixels)), test_size=0.2, stratify=digits.target, random_state=0)
-    # Written whole, then renamed into place; the name is unique even between machines sharing a disk.
-    tmp = root.with_name(f".{root.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    for split, indices in (("train", train_idx), ("val", val_idx)):
-        for i in indices:
-            folder = tmp / split / str(digits.target[i])
-            folder.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(pixels[i]).save(folder / f"{i:04d}.png")
-    try:
-        os.replace(tmp, root)
-    except OSError:  # another process (e.g. another node on a shared disk) finished first
-        shutil.rmtree(tmp, ignore_errors=True)
+    with atomic_write(root, first_wins=True) as tmp:  # another machine on a shared disk may finish first
+        for split, indices in (("train", train_idx), ("val", val_idx)):
+            for i in indices:
+                folder = tmp / split / str(digits.target[i])
+                folder.mkdir(parents=True, exist_ok=True)
+                Image.fromarray(pixels[i]).save(folder / f"{i:04d}.png")
+                report(1)
 
 
 # Datasets that ship with our requirements, written on first use.
@@ -67,10 +62,10 @@ def dataset_root(name):
     if name in EMBEDDED:
         root = utils.general.DATASETS_DIR / name  # read when called: tests point it elsewhere
 
-        def write():
+        def write(report):
             if not root.exists():
                 root.parent.mkdir(parents=True, exist_ok=True)
-                EMBEDDED[name](root)
+                EMBEDDED[name](root, report)
         once_per_machine("embedded", f"writing {root}", write)  # local rank 0 writes; the others wait, then read
         return root
     root = Path(name)

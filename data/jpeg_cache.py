@@ -18,9 +18,11 @@ is rebuilt, never read.
 Every process on a machine writes its file: they claim chunks of images from a counter in the job's store, encode
 them by a thread pool each (PIL decodes, resizes and encodes without the GIL) and write each chunk's bytes with
 os.pwrite at a region claimed from another counter, in one temporary file; local rank 0 gathers the index rows,
-writes index, header and footer, flushes and renames it. Processes wait on the writers' progress (utils/waiting.py),
-never on a clock or in a collective, and none goes on before every machine's file is complete. Each machine writes
-its own file under a temporary name of its own (host and a token), on a shared disk or not.
+writes index, header and footer, flushes and renames it (utils/once.commit: durably). Processes wait on the writers'
+progress (utils/once.py), never on a clock or in a collective, and none goes on before every machine's file is
+complete. Each machine writes its own file under a temporary name of its own (utils/once.temporary: local rank 0's
+host and pid), on a shared disk or not; a start first removes the temporary files of writers that are gone
+(clean_leftovers), and a stop signal while writing or waiting ends the process at once, its temporary removed.
 
 The file checked is the one read: opened once when checked (DataLoader workers inherit the descriptor), so a file
 later renamed over its path changes nothing. Images are read by positioned reads (os.preadv), not a memory mapping:
@@ -37,8 +39,6 @@ import io
 import itertools
 import json
 import os
-import secrets
-import socket
 import struct
 import zlib
 from collections import deque
@@ -57,7 +57,8 @@ from utils.distributed import job_store
 from utils.general import (LOCAL_RANK, LOCAL_WORLD_SIZE, LOGGER, RANK, WORLD_SIZE, DatasetError, ImageError, colorstr,
                            cpu_count, short_path)
 from utils.memory import size_text
-from utils.waiting import done, finished, local_store, made, progress, wait_for
+from utils.once import (clean_leftovers, commit, done, finished, local_store, made, progress, stop_on_signals,
+                        temporary, wait_for, writing)
 
 QUALITY = 90  # JPEG quality of stored training images (FFCV's and DALI's usual)
 FULL_CHROMA_BELOW = 64  # images with a shorter side below this keep full-resolution colour (4:4:4), larger ones 4:2:0
@@ -187,17 +188,18 @@ def cache(source, role, form, transform, cfg):
     store, machines = job_store() or local_store(), max(1, WORLD_SIZE // LOCAL_WORLD_SIZE)
     job = f"jpeg/{next(CALLS)}/{role}"  # every machine's progress, and the first failure
     work = f"{job}/machine{RANK // LOCAL_WORLD_SIZE}"
-    if LOCAL_RANK == 0:
-        path, tmp = plan(source, role, form, cfg.cache_dir, store, job, work)
-    else:
-        wait_for(store, f"{work}/plan", f"waiting for local rank 0 to list the {role} images")
-        path, tmp = (Path(p) if p else None for p in json.loads(store.get(f"{work}/path")))
-    if tmp is not None:
-        write_shared(source, path, tmp, form, transform, store, job, work)
-    if LOCAL_RANK == 0:
-        store.add(f"{job}/machines", 1)
-    wait_for(store, job, f"waiting for every machine's {role} cache file",
-             until=lambda: store.add(f"{job}/machines", 0) == machines)
+    with stop_on_signals(f"writing the {role} JPEG cache"):
+        if LOCAL_RANK == 0:
+            path, tmp = plan(source, role, form, cfg.cache_dir, store, job, work)
+        else:
+            wait_for(store, f"{work}/plan", f"waiting for local rank 0 to list the {role} images")
+            path, tmp = (Path(p) if p else None for p in json.loads(store.get(f"{work}/path")))
+        if tmp is not None:
+            write_shared(source, path, tmp, form, transform, store, job, work)
+        if LOCAL_RANK == 0:
+            store.add(f"{job}/machines", 1)
+        wait_for(store, job, f"waiting for every machine's {role} cache file",
+                 until=lambda: store.add(f"{job}/machines", 0) == machines)
     try:
         return (path, *open_cache(path, len(source)))
     except StaleCache as e:
@@ -207,8 +209,11 @@ def cache(source, role, form, transform, cfg):
 def plan(source, role, form, cache_dir, store, job, work):
     """(path, temporary file or None) of source's cache file, as local rank 0 finds it (listing the images for their
     fingerprint, with progress) and tells the machine's other processes; the temporary file is created empty, for
-    every process to write into, where the file is missing or unusable."""
+    every process to write into, where the file is missing or unusable, after the temporary files of writers that
+    are gone are removed."""
     try:
+        for key in (f"{work}/plan", work):
+            writing(store, key)
         path, tmp = cache_path(source, role, form, cache_dir, lambda n: (made(store, f"{work}/plan", n),
                                                                          made(store, job, n))), None
         try:
@@ -216,16 +221,18 @@ def plan(source, role, form, cache_dir, store, job, work):
         except StaleCache as e:
             if path.exists():
                 LOGGER.warning(f"data.cache=jpeg: rewriting {short_path(path)}: {e}")
-            tmp = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{secrets.token_hex(4)}")
+            tmp = temporary(path)
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                tmp.touch(exist_ok=False)
+                for leftover in clean_leftovers(path):
+                    LOGGER.info(f"{colorstr('data:')} removed {short_path(leftover)}, left by a writer that is gone")
+                open(tmp, "wb").close()  # empty: this process's own, from an earlier start in it, is written anew
             except OSError as e:
                 raise write_error(path, e) from None
         store.set(f"{work}/path", json.dumps([str(path), str(tmp) if tmp else None]))
         done(store, f"{work}/plan")
         return path, tmp
-    except Exception as e:
+    except BaseException as e:  # a stop signal's too: the waiters stop at once
         for key in (f"{work}/plan", job):
             done(store, key, e)
         raise
@@ -348,7 +355,7 @@ def write_shared(source, path, tmp, form, transform, store, job, work):
             done(store, work)
         else:
             wait_for(store, work, f"waiting for local rank 0 to write {path}")
-    except Exception as e:
+    except BaseException as e:  # a stop signal's too: the waiters stop at once
         for key in (work, job):
             done(store, key, e)
         raise
@@ -394,9 +401,8 @@ def encode_chunks(source, path, tmp, form, transform, store, job, work):
                 finished(store, work, f"writing {path}")  # raises another process's failure
         except OSError as e:
             raise write_error(path, e) from None
-        finally:
-            for future in itertools.chain.from_iterable(pending):
-                future.cancel()
+        finally:  # on a failure or a stop signal, the images not begun are dropped (the chunk being written's too)
+            pool.shutdown(cancel_futures=True)
             os.close(fd)
     return np.concatenate(rows) if rows else np.zeros(0, ROW)
 
@@ -417,7 +423,7 @@ def write_chunk(fd, encoded, store, work):
 
 def finish_file(source, path, tmp, form, store, work):
     """Local rank 0: gather every local process's index rows, write index, header and footer after the images,
-    flush and rename tmp to path."""
+    and make tmp path (utils/once.commit: flushed, renamed, the rename flushed)."""
     parts = [np.frombuffer(store.get(f"{work}/rows/{r}"), ROW) for r in range(LOCAL_WORLD_SIZE)]
     rows = np.concatenate(parts)
     index = np.zeros(len(source), INDEX_DTYPE)
@@ -432,9 +438,7 @@ def finish_file(source, path, tmp, form, store, work):
         with open(tmp, "r+b") as f:
             f.seek(at)
             f.write(tail + FOOTER.pack(MAGIC, at, len(header), zlib.crc32(tail)))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        commit(tmp, path)
     except OSError as e:
         raise write_error(path, e) from None
     LOGGER.info(f"{colorstr('data:')} wrote {short_path(path)}: {len(source)} images, {size_text(at)}, encoded by "

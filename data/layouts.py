@@ -19,6 +19,7 @@ from torchvision.datasets import VisionDataset
 from data.multilabel import multi_hot, split_labels, target_bytes
 from utils.distributed import gather_object, on_rank0
 from utils.general import LOGGER, RANK, DatasetError, colorstr, error_line
+from utils.once import atomic_write
 
 FOLDERS, CSV_FILES, CLASS_FOLDERS = "folders", "csv", "class folders"  # the layouts find_layout tells apart
 VAL_NAMES = ("val", "valid", "test")  # a root's val split, the first present (Roboflow and Kaggle export 'valid')
@@ -384,9 +385,8 @@ def save_split(run_dir, cfg, train_set, val_set):
 
     def write():
         path = run_dir / SPLIT_FILE
-        tmp = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-        # Unicode as written (class names stay readable); surrogateescape keeps file names that are not UTF-8.
-        tmp.write_text(json.dumps(record, ensure_ascii=False, indent=1) + "\n", encoding="utf-8",
-                       errors="surrogateescape")
-        os.replace(tmp, path)
+        with atomic_write(path) as tmp:
+            # Unicode as written (class names stay readable); surrogateescape keeps file names that are not UTF-8.
+            tmp.write_text(json.dumps(record, ensure_ascii=False, indent=1) + "\n", encoding="utf-8",
+                           errors="surrogateescape")
     on_rank0(write)

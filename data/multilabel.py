@@ -6,15 +6,13 @@ spaces: 'golden retriever|ball'; its val.csv is read the same way), else by spac
 image with none of the classes."""
 
 import csv
-import os
-import shutil
-import socket
 
 import numpy as np
 import torch
 from PIL import Image
 
 from utils.general import DatasetError
+from utils.once import atomic_write
 
 SIDE = 8  # pixels of a scikit-learn digit; multidigits' images are GRID x GRID of them
 GRID = 2
@@ -73,12 +71,14 @@ def check_task(train_set, multilabel, name, val_set=None):
                            f"average precision (mAP) or recall; give val images with labels")
 
 
-def write_multidigits(root, classes=tuple(range(10)), images=IMAGES, digits_per_image=DIGITS_PER_IMAGE):
+def write_multidigits(root, report=lambda n: None, classes=tuple(range(10)), images=IMAGES,
+                      digits_per_image=DIGITS_PER_IMAGE):
     """Write the embedded multi-label set: 16x16 images of a 2x2 grid of scikit-learn's 8x8 digits, 2 or 3 different
     digits in distinct cells (the rest black), labelled with the digits present; train.csv and val.csv (path,labels,
     space-separated) over images/. Train images are made from the digits of the single-label set's train split,
-    val images from its val split (the same fixed, stratified 80/20 split), so no digit image is in both.
-    benchmarks/finetune.py writes other such sets: of some digits (classes), images per split, digits per image."""
+    val images from its val split (the same fixed, stratified 80/20 split), so no digit image is in both. report(1)
+    after each image. benchmarks/finetune.py writes other such sets: of some digits (classes), images per split,
+    digits per image."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -87,24 +87,27 @@ def write_multidigits(root, classes=tuple(range(10)), images=IMAGES, digits_per_
     pools = dict(zip(("train", "val"), train_test_split(np.arange(len(pixels)), test_size=0.2,
                                                         stratify=digits.target, random_state=0)))
     rng = np.random.default_rng(0)
-    tmp = root.with_name(f".{root.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    for split, pool in pools.items():
-        by_digit = [pool[digits.target[pool] == d] for d in classes]
-        (tmp / "images" / split).mkdir(parents=True)
-        with open(tmp / f"{split}.csv", "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["path", "labels"])
-            for i in range(images[split]):
-                chosen = rng.choice(len(classes), size=rng.choice(digits_per_image), replace=False)
-                cells = rng.choice(GRID * GRID, size=len(chosen), replace=False)
-                image = np.zeros((GRID * SIDE, GRID * SIDE), np.uint8)
-                for digit, cell in zip(chosen, cells):
-                    y, x = divmod(int(cell), GRID)
-                    image[y * SIDE : (y + 1) * SIDE, x * SIDE : (x + 1) * SIDE] = pixels[rng.choice(by_digit[digit])]
-                name = f"images/{split}/{i:05d}.png"
-                Image.fromarray(image).save(tmp / name)
-                writer.writerow([name, " ".join(str(classes[d]) for d in sorted(chosen))])
-    try:
-        os.replace(tmp, root)
-    except OSError:  # another process (e.g. another node on a shared disk) finished first
-        shutil.rmtree(tmp, ignore_errors=True)
+    with atomic_write(root, first_wins=True) as tmp:  # another machine on a shared disk may finish first
+        for split, pool in pools.items():
+            write_multidigits_split(tmp, split, pool, digits, pixels, rng, report, classes, images[split],
+                                    digits_per_image)
+
+
+def write_multidigits_split(tmp, split, pool, digits, pixels, rng, report, classes, count, digits_per_image):
+    """Write one split of a multidigits set into tmp: count images and its CSV."""
+    by_digit = [pool[digits.target[pool] == d] for d in classes]
+    (tmp / "images" / split).mkdir(parents=True)
+    with open(tmp / f"{split}.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["path", "labels"])
+        for i in range(count):
+            chosen = rng.choice(len(classes), size=rng.choice(digits_per_image), replace=False)
+            cells = rng.choice(GRID * GRID, size=len(chosen), replace=False)
+            image = np.zeros((GRID * SIDE, GRID * SIDE), np.uint8)
+            for digit, cell in zip(chosen, cells):
+                y, x = divmod(int(cell), GRID)
+                image[y * SIDE : (y + 1) * SIDE, x * SIDE : (x + 1) * SIDE] = pixels[rng.choice(by_digit[digit])]
+            name = f"images/{split}/{i:05d}.png"
+            Image.fromarray(image).save(tmp / name)
+            writer.writerow([name, " ".join(str(classes[d]) for d in sorted(chosen))])
+            report(1)

@@ -17,7 +17,6 @@ import argparse
 import hashlib
 import io
 import json
-import os
 import sys
 import tarfile
 import zlib
@@ -29,6 +28,7 @@ from tqdm import tqdm
 from data.shard_sets import IMAGE_EXTENSIONS, INDEX_KIND, KIND, TOP
 from data.verify import UNREADABLE, decode, unreadable_reason
 from utils.general import DatasetError, UsageError, short_path
+from utils.once import atomic_write
 
 
 def tar_samples(path):
@@ -124,9 +124,9 @@ def index_shards(src):
 
 
 def write_atomically(path, text):
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    """Write text to path whole (utils/once.atomic_write)."""
+    with atomic_write(path) as tmp:
+        tmp.write_text(text)
 
 
 def main(argv=None):

@@ -24,10 +24,7 @@ import collections
 import hashlib
 import io
 import json
-import os
 import re
-import shutil
-import socket
 import sys
 import tarfile
 import zlib
@@ -45,6 +42,7 @@ from data.shard_sets import INDEX_KIND, KIND, TOP
 from data.verify import UNREADABLE, decode, unreadable_reason
 from utils.distributed import exit_on_error
 from utils.general import DatasetError, UsageError, cpu_count, short_path
+from utils.once import atomic_write
 
 # The formats validation images are stored in as they are, by the extension the reader knows them by (IMAGE_EXTENSIONS)
 EXTENSIONS = {"JPEG": ".jpg", "MPO": ".jpg", "PNG": ".png", "WEBP": ".webp", "BMP": ".bmp", "PPM": ".ppm",
@@ -210,8 +208,7 @@ def write_shard_set(args):
         raise UsageError(f"{args.src}: its images are not files (CIFAR's are one pickle); shards are written from "
                          f"image files")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    try:
+    with atomic_write(out) as tmp:  # renamed over out when complete: out is missing or empty, checked above
         counts = {split: write_split(samples, tmp / split, split, split == "train", args.shard_size, args.max_side)
                   for split, samples in (("train", shuffled(train_set.samples, args.seed)),
                                          ("val", val_set.samples))}
@@ -219,11 +216,6 @@ def write_shard_set(args):
                "splits": {split: f"{split}/index.json" for split in counts},
                "images": {split: n for split, (n, _) in counts.items()}}
         (tmp / TOP).write_text(json.dumps(top, indent=1))
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        os.rename(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return counts
 
 

@@ -3,9 +3,7 @@ once before training, shared out over ranks and threads, with the results cached
 
 import json
 import os
-import socket
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +11,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from utils.distributed import broadcast_object, gather_object
 from utils.general import LOCAL_WORLD_SIZE, LOGGER, RANK, WORLD_SIZE, colorstr, cpu_count
+from utils.once import atomic_write
 
 # What PIL raises for a file it cannot decode (truncated, not an image, corrupt data, a decompression bomb).
 UNREADABLE = (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError)
@@ -105,13 +104,10 @@ def read_cache(cache_file):
 
 
 def write_cache(cache_file, entries):
-    """Save the results atomically (temporary file, then os.replace); a read-only data folder only skips it."""
-    tmp = cache_file.with_name(f"{cache_file.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    """Save the results whole (utils/once.atomic_write); a read-only data folder only skips it."""
     try:
-        tmp.write_text(json.dumps({"version": CACHE_VERSION, "files": entries}, separators=(",", ":")))
-        os.replace(tmp, cache_file)
+        with atomic_write(cache_file) as tmp:
+            tmp.write_text(json.dumps({"version": CACHE_VERSION, "files": entries}, separators=(",", ":")))
     except OSError as e:
-        with suppress(OSError):
-            tmp.unlink(missing_ok=True)
         LOGGER.info(f"{colorstr('data:')} {cache_file}: not written ({e.strerror or e}); the images will be "
                     f"decoded again next run")

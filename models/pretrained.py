@@ -3,11 +3,15 @@ timm/NAME a timm pretrained tag, downloaded by torchvision's and timm's own mach
 (one process per machine, the others waiting), with the preprocessing the weights were trained with; and the
 fine-tuning controls of the pretrained part (model.backbone_lr, model.freeze_epochs)."""
 
+import hashlib
 import math
+import os
 import re
-import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
+from urllib.request import urlopen
 
 import torch
 import torchvision
@@ -18,12 +22,15 @@ from utils.checkpoint import load_checkpoint
 from utils.config import DataConfig
 from utils.general import LOGGER, RANK, SharedError, UsageError, colorstr, error_line
 from utils.torch_utils import batchnorm_layers
-from utils.waiting import once_per_machine as once_per_machine_waiting
+from utils.once import atomic_write, watching
+from utils.once import once_per_machine as once_per_machine_writing
 
 # How torchvision's weights enums spell their members (DEFAULT, IMAGENET1K_V1, IMAGENET1K_SWAG_E2E_V1): a value so
 # spelled is a name, anything else a file. timm's tags (a1_in1k, tv_in1k) are lower case, so for timm/NAME a value
 # is a tag unless it looks like a path.
 TORCHVISION_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
+READ_TIMEOUT = float(os.getenv("CLS_READ_TIMEOUT", 60))  # seconds a download waits for the server's next bytes
+DOWNLOAD_CHUNK = 1 << 20
 
 
 def weights_kind(model_name, weights):
@@ -56,14 +63,14 @@ def cache_path(weights):
     return Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(weights.url).path).name
 
 
-def download(weights, path, source):
-    """Download the weights to path through torch.hub (a temporary file renamed when whole, its SHA-256 checked
-    against the prefix in the file name); None, or on failure the one line to report."""
+def download(weights, path, source, report):
+    """Download the weights to path (fetch_url, checked against the SHA-256 prefix in the file name as torch.hub
+    checks it), reporting the bytes received; None, or on failure the one line to report."""
     LOGGER.info(f"{colorstr('model:')} downloading {weights} from {weights.url} to {path}")
     match = torch.hub.HASH_REGEX.search(path.name)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.hub.download_url_to_file(weights.url, str(path), match and match.group(1), progress=sys.stderr.isatty())
+        fetch_url(weights.url, path, match and match.group(1), report)
     except (OSError, RuntimeError) as e:  # URLError and HTTPError are OSErrors; a wrong checksum a RuntimeError
         return (f"{source}: cannot download {weights} from {weights.url} ({error_line(e) or type(e).__name__}); "
                 f"without internet, place a copy of that file at {path}, or train from scratch with "
@@ -71,21 +78,43 @@ def download(weights, path, source):
     return None
 
 
+def fetch_url(url, path, hash_prefix, report):
+    """Download url to path whole (utils/once.atomic_write), reporting each chunk's bytes; a read that waits
+    READ_TIMEOUT seconds fails (torch.hub's download has no timeout: a silent server held every rank forever). A
+    file whose SHA-256 does not start with hash_prefix is refused with torch.hub's words."""
+    digest = hashlib.sha256()
+    request = urllib.request.Request(url, headers={"User-Agent": "cls"})
+    with atomic_write(path) as tmp, open(tmp, "wb") as out:
+        try:
+            with urlopen(request, timeout=READ_TIMEOUT) as response:  # the environment's proxies apply
+                while chunk := response.read(DOWNLOAD_CHUNK):
+                    out.write(chunk)
+                    digest.update(chunk)
+                    report(len(chunk))
+        except (TimeoutError, urllib.error.URLError) as e:  # a proxy's silence comes as a URLError
+            if not isinstance(getattr(e, "reason", e), TimeoutError):
+                raise
+            raise TimeoutError(f"no answer for {READ_TIMEOUT:g} s") from None
+        if hash_prefix and not digest.hexdigest().startswith(hash_prefix):
+            raise RuntimeError(f'invalid hash value (expected "{hash_prefix}", got "{digest.hexdigest()}")')
+
+
 def once_per_machine(fetch):
-    """Run fetch() (None, or the line to report when it failed) on local rank 0 while the other ranks of its machine
-    wait on its heartbeat, not a clock (utils/waiting.py); a failure on any machine stops every rank with that line."""
-    def fetch_or_raise():
-        error = fetch()
+    """Run fetch(report) (None, or the line to report when it failed) on local rank 0 while the other ranks of its
+    machine wait on the progress it reports (utils/once.py); a failure on any machine stops every rank with that
+    line."""
+    def fetch_or_raise(report):
+        error = fetch(report)
         if error:
             raise UsageError(error)  # met by this rank alone: the others stop on its report
-    once_per_machine_waiting("weights", "downloading weights", fetch_or_raise)
+    once_per_machine_writing("weights", "downloading weights", fetch_or_raise)
 
 
 def torchvision_state(weights, source):
     """The state_dict of torchvision weights, from torch's cache, downloaded there first where missing (once per
     machine); every rank reads the cached file. A file placed there by hand is used as it is."""
     path = cache_path(weights)
-    once_per_machine(lambda: None if path.is_file() else download(weights, path, source))
+    once_per_machine(lambda report: None if path.is_file() else download(weights, path, source, report))
     try:
         return load_checkpoint(path), f"{weights} from {path}"
     except UsageError as e:  # a file placed there by hand that is not one; every rank reads the same
@@ -124,9 +153,10 @@ def timm_state(model_name, tag, source):
 
     loaded = {}
 
-    def fetch():
+    def fetch(report):
         try:
-            loaded.update(timm.create_model(name, pretrained=True).state_dict())  # kept: not built twice here
+            with watching(place if config.hf_hub_id else place.parent, report):  # timm reports no progress itself
+                loaded.update(timm.create_model(name, pretrained=True).state_dict())  # kept: not built twice here
         except (OSError, RuntimeError, ValueError) as e:  # requests' and huggingface_hub's errors are OSErrors
             fill = f" (hf download {config.hf_hub_id} fills it)" if config.hf_hub_id else ""
             return (f"{source}: cannot download timm's {name} from {url} ({error_line(e) or type(e).__name__}); "

@@ -20,7 +20,7 @@ import data.jpeg_cache  # noqa: E402
 from data.datasets import build_datasets  # noqa: E402
 from data.transforms import val_transforms  # noqa: E402
 from utils.config import load_recipe  # noqa: E402
-from utils.distributed import cleanup_distributed, setup_distributed  # noqa: E402
+from utils.distributed import FAILURE_GRACE_S, cleanup_distributed, setup_distributed  # noqa: E402
 from utils.general import RANK, ImageError  # noqa: E402
 
 
@@ -62,6 +62,9 @@ def main(root, cache, fault=None):
         train_set.set_epoch(1)
         images = [train_set.__getitems__(range(len(train_set)))[0], val_set.__getitems__(range(len(val_set)))[0]]
         (cache / f"rank{RANK}.txt").write_text(" ".join(str(int(t.long().sum())) for t in images))
+    except ImageError:  # as train.py's exit_on_error, the failed rank waits for the others' lines before it exits
+        time.sleep(FAILURE_GRACE_S)
+        raise
     finally:
         cleanup_distributed()
 

@@ -135,7 +135,7 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 
     def full_disk(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(utils.checkpoint.os, "fsync", full_disk)
+    monkeypatch.setattr(utils.once.os, "fsync", full_disk)
     with pytest.raises(UsageError, match="cannot save checkpoint .*last.pt: No space left on device; the previous"):
         save_checkpoint({"epoch": 2}, path)
     monkeypatch.undo()

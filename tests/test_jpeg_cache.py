@@ -4,6 +4,10 @@ unusable; the RAM cache's crops and flips from the same per-sample seeds, decode
 import os
 import pickle
 import re
+import signal
+import subprocess
+import sys
+import time
 import zlib
 
 import numpy as np
@@ -13,7 +17,7 @@ from PIL import Image
 
 import train
 import val
-from conftest import read_results, run_python, run_torchrun
+from conftest import ROOT, clean_env, read_results, run_python, run_torchrun
 from data.cache import batch_to
 from data.datasets import build_datasets
 from data.jpeg_cache import FOOTER, INDEX_DTYPE, StaleCache, jpeg_datasets, open_cache, read_at
@@ -275,8 +279,9 @@ def test_a_waiting_rank_stops_with_one_line_when_the_writer_makes_no_progress(ro
     monkeypatch.setenv("CLS_STALL_SECONDS", "1")
     result, _ = run_driver(root, tmp_path / "cache", "hang:0", timeout=120)  # a stall never noticed times out
     assert result.returncode != 0
-    assert re.search(r"Stalled: rank 1 on \S+: waiting for local rank 0 to write \S+train\S+\.jpegcache made no "
-                     r"progress for 1 s \(at \d+\); stopped waiting", result.stderr), result.stderr[-3000:]
+    assert re.search(r"Stalled: rank 1 on \S+: waiting for local rank 0 to write \S+train\S+\.jpegcache by rank 0 on "
+                     r"\S+ \(pid \d+\) made no progress for 1 s \(at \d+\); stopped waiting", result.stderr), \
+        result.stderr[-3000:]
 
 
 def test_a_writer_that_fails_stops_the_others_at_once_and_leaves_no_temporary_file(root, tmp_path, monkeypatch):
@@ -288,6 +293,47 @@ def test_a_writer_that_fails_stops_the_others_at_once_and_leaves_no_temporary_fi
                      r"stopped: it failed \(image of rank 1: unreadable image \(test\)\)", result.stderr), \
         result.stderr[-3000:]
     assert cache_files(tmp_path / "cache") == []  # neither a cache file nor a temporary one
+
+
+def start_writing(root, cache):
+    """A process writing root's JPEG cache into cache one image per 2 s (jpeg_cache_driver.py, one process), once
+    its temporary file is there; and that file."""
+    writer = subprocess.Popen([sys.executable, "tests/jpeg_cache_driver.py", root, cache, "slow:all:2"], cwd=ROOT,
+                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    for _ in range(1200):  # the temporary file is made once the images are listed, in a second or two
+        if (tmp := [p for p in cache.glob(".*.jpegcache.tmp-*")]) or writer.poll() is not None:
+            break
+        time.sleep(0.1)
+    assert len(tmp) == 1 and writer.poll() is None, writer.communicate()
+    return writer, tmp[0]
+
+
+def test_a_killed_writers_temporary_file_is_removed_by_the_next_writer_and_the_cache_is_whole(root, tmp_path):
+    cache = tmp_path / "cache"
+    writer, leftover = start_writing(root, cache)
+    writer.send_signal(signal.SIGKILL)
+    writer.communicate()
+    assert leftover.exists()  # as a killed writer leaves it
+    result = run_python("tests/jpeg_cache_driver.py", root, cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(rf"data: removed \S*{re.escape(leftover.name)}, left by a writer that is gone",
+                     result.stdout + result.stderr), result.stdout
+    assert len(cache_files(cache)) == 2  # the two files, no temporary one
+    cfg = load_recipe("cls.yaml", ["data.cache=jpeg", f"data.cache_dir={tmp_path / 'one'}", "data.img_size=16"]).data
+    jpeg_sets(root, cfg)
+    for name in cache_files(cache):
+        assert stored_images(tmp_path / "one" / name, len(SIZES)) == stored_images(cache / name, len(SIZES))
+
+
+def test_sigterm_while_the_cache_is_written_stops_at_once_leaving_no_file(root, tmp_path):
+    cache = tmp_path / "cache"
+    writer, _ = start_writing(root, cache)  # its SIGTERM deferred, as train.py's StopVote defers it
+    writer.send_signal(signal.SIGTERM)
+    _, stderr = writer.communicate(timeout=120)
+    assert writer.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "SIGTERM: stopped while writing the train JPEG cache; nothing was saved" in stderr
+    assert cache_files(cache) == []  # neither the file, which the write would have completed, nor its temporary
 
 
 def test_a_jpeg_cache_run_stopped_mid_epoch_resumes_bit_identical_and_val_py_agrees(image_folder, tmp_path):

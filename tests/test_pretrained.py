@@ -3,9 +3,12 @@ replaced here (no internet), once per machine under torchrun and nothing half-wr
 preprocessing that follows the weights; and fine-tuning: the pretrained part's learning rate, and its frozen first
 epochs, which resume exactly."""
 
+import contextlib
 import email.message
 import importlib.machinery
+import socket
 import sys
+import threading
 import types
 import urllib.error
 
@@ -14,6 +17,7 @@ import torch
 import torchvision
 from omegaconf import OmegaConf
 
+import models.pretrained
 import train
 from conftest import console_lines, make_image_folder, read_results, run_python, run_torchrun
 from models import build_model, head_keys, start_from
@@ -68,13 +72,13 @@ def test_the_cache_path_is_the_file_torchvision_reads(torch_home):
     assert all(torch.equal(loaded[k], v) for k, v in resnet18_state().items())
 
 
-def test_the_download_goes_through_torch_hub_once_into_the_cache(torch_home, monkeypatch, log):
+def test_the_download_happens_once_into_the_cache(torch_home, monkeypatch, log):
     calls = []
 
-    def download(url, dst, hash_prefix=None, progress=True):  # torch.hub's, with the network replaced
-        calls.append((url, dst, hash_prefix))
+    def download(url, dst, hash_prefix, report):  # fetch_url, with the network replaced
+        calls.append((url, str(dst), hash_prefix))
         torch.save(resnet18_state(), dst)
-    monkeypatch.setattr(torch.hub, "download_url_to_file", download)
+    monkeypatch.setattr(models.pretrained, "fetch_url", download)
     model = build_model(model_cfg(name="resnet18"), 3)
     start_from(model, model_cfg(name="resnet18", weights="DEFAULT"), 3)
     assert calls == [(URL, str(torch_home), "f37072fd")]  # the checksum torch.hub checks: the name's hash prefix
@@ -118,11 +122,11 @@ class Response:
 def test_a_failed_download_names_the_weights_url_and_cache_file_and_leaves_nothing(network, reason, torch_home,
                                                                                    image_folder, tmp_path,
                                                                                    monkeypatch, capsys):
-    def urlopen(request):  # torch.hub's real download, over a network that fails
+    def urlopen(request, timeout):  # the real download, over a network that fails
         if isinstance(network, Exception):
             raise network
         return network
-    monkeypatch.setattr(torch.hub, "urlopen", urlopen)
+    monkeypatch.setattr(models.pretrained, "urlopen", urlopen)
     root = image_folder({"train": {"a": 2, "b": 2}, "val": {"a": 1, "b": 1}})
     with pytest.raises(SystemExit) as exit_info:
         train.main(["--recipe", "folder.yaml", f"data.name={root}", "data.img_size=16", "train.batch_size=4",
@@ -141,7 +145,7 @@ def test_offline_a_file_placed_in_the_cache_starts_the_run_and_preprocessing_fol
                                                                                        tmp_path, monkeypatch, log):
     torch_home.parent.mkdir(parents=True)
     torch.save(resnet18_state(), torch_home)
-    monkeypatch.setattr(torch.hub, "download_url_to_file", None)  # called, it would fail the test
+    monkeypatch.setattr(models.pretrained, "fetch_url", None)  # called, it would fail the test
     initial, check_input_size = {}, train.check_input_size
 
     def keep_initial_weights(model, *args, **kw):  # called after start_from, before the first step
@@ -361,3 +365,48 @@ def test_a_file_in_the_cache_that_is_not_weights_is_named_with_what_to_do(torch_
     with pytest.raises(SharedError, match=rf"^model.weights=DEFAULT: {torch_home}: not a readable checkpoint .*; "
                                           rf"replace it with {URL}, or remove it to download it$"):
         start_from(build_model(model_cfg(name="resnet18"), 3), model_cfg(name="resnet18", weights="DEFAULT"), 3)
+
+
+@pytest.fixture
+def silent_server():
+    """The address of a local server that accepts connections and never answers."""
+    server, accepted = socket.create_server(("127.0.0.1", 0)), []
+
+    def accept():
+        with contextlib.suppress(OSError):
+            while True:
+                accepted.append(server.accept()[0])  # held open, never read nor answered
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"127.0.0.1:{server.getsockname()[1]}"
+    server.close()
+    for connection in accepted:
+        connection.close()
+
+
+def test_a_server_that_never_answers_fails_the_download_after_the_read_timeout_and_leaves_nothing(silent_server,
+                                                                                                  tmp_path,
+                                                                                                  monkeypatch):
+    monkeypatch.setattr(models.pretrained, "READ_TIMEOUT", 0.5)
+    reported = []
+    with pytest.raises(TimeoutError, match=r"^no answer for 0.5 s$"):
+        models.pretrained.fetch_url(f"http://{silent_server}/w.pth", tmp_path / "w.pth", None, reported.append)
+    assert reported == [] and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("proxy", ["https_proxy", "http_proxy"])
+def test_a_silent_proxy_fails_the_run_with_one_line_naming_the_url(proxy, silent_server, torch_home, image_folder,
+                                                                   tmp_path, monkeypatch):
+    root = image_folder({"train": {"a": 2, "b": 2}, "val": {"a": 1, "b": 1}})
+    url = URL if proxy == "https_proxy" else URL.replace("https:", "http:")  # the proxy urllib uses for each
+    for key, value in {proxy: f"http://{silent_server}", "no_proxy": "", "CLS_READ_TIMEOUT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    script = ("import sys, torchvision, train; torchvision.models.ResNet18_Weights.IMAGENET1K_V1.value.url = "
+              "sys.argv[1]; train.main(sys.argv[2:])")
+    result = run_python("-c", script, url, "--recipe", "folder.yaml", f"data.name={root}", "data.img_size=16",
+                        "train.batch_size=4", "data.workers=0", f"project={tmp_path / 'runs'}", timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1] == (
+        f"train.py: error: model.weights=DEFAULT: cannot download ResNet18_Weights.IMAGENET1K_V1 from {url} (no answer "
+        f"for 1 s); without internet, place a copy of that file at {torch_home}, or train from scratch with "
+        f"model.weights=''")
+    assert list(torch_home.parent.iterdir()) == []

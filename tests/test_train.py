@@ -88,7 +88,7 @@ def test_checkpoints_load_weights_only_and_hold_the_evaluated_model(digits_run):
     assert abs(best["best_score"] - best_top1) < 1e-6 and best["best_metric"] == "top1" and "best_top1" not in best
     # Re-evaluating best.pt alone counts exactly what the two ranks counted together during training.
     assert evaluate_checkpoint(project / "exp" / "weights" / "best.pt")["val/top1"] == best["best_score"]
-    assert not list((project / "exp" / "weights").glob("*.tmp"))
+    assert not list((project / "exp" / "weights").glob(".*.tmp-*"))
 
 
 def test_tensorboard_groups_scalars_and_holds_images_and_the_recipe_as_hparams(digits_run):

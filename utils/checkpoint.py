@@ -2,7 +2,6 @@
 a training run's state saved into one and restored from it."""
 
 import math
-import os
 import pickle
 import zipfile
 from pathlib import Path
@@ -11,6 +10,7 @@ import torch
 
 from utils.distributed import gather_object, on_rank0
 from utils.general import LOGGER, RANK, WORLD_SIZE, SharedError, UsageError
+from utils.once import atomic_write
 from utils.seeds import rng_states, set_rng_states
 from utils.torch_utils import de_parallel
 
@@ -18,31 +18,15 @@ TRAINING_KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "step", "
 
 
 def save_checkpoint(state, path):
-    """Write state to path via a temporary file, fsync and os.replace: a crash or a full disk at any moment leaves
+    """Write state to path whole and durably (utils/once.atomic_write): a crash or a full disk at any moment leaves
     either the previous file or the new one, whole."""
     path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        with atomic_write(path) as tmp, open(tmp, "wb") as f:
             torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
-        os.replace(tmp, path)
-        fsync_dir(path.parent)  # ... and the new name survives a power cut
     except OSError as e:
         raise UsageError(f"cannot save checkpoint {path}: {e.strerror or e}; the previous checkpoint there, if any, "
                          f"is intact") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def fsync_dir(folder):
-    """Make a rename inside folder durable."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def load_checkpoint(path, device="cpu"):

@@ -2,7 +2,6 @@
 hparams) and the console summary line."""
 
 import csv
-import os
 import textwrap
 import time
 from contextlib import contextmanager
@@ -11,6 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from utils.config import results_keys
+from utils.once import atomic_write
 from utils.plots import confusion_figure, figure_array, labelled_grid, results_figure, save_figure
 
 # results.csv's columns, also the TensorBoard tags of the epoch scalars but for those TENSORBOARD_TAGS renames.
@@ -177,10 +177,8 @@ def keep_rows(csv_path, epochs, columns=COLUMNS):
         rows = [row for row in csv.DictReader(f) if row]
     whole = [row for row in rows if None not in row and None not in row.values() and set(columns) <= set(row)
              and row["epoch"].isdigit() and int(row["epoch"]) <= epochs]  # a row cut short by a kill mid-write: not
-    tmp = csv_path.with_name(f"{csv_path.name}.tmp")
-    with open(tmp, "w", newline="") as f:
+    with atomic_write(csv_path) as tmp, open(tmp, "w", newline="") as f:
         csv.writer(f).writerows([columns, *([row[c] for c in columns] for row in whole)])
-    os.replace(tmp, csv_path)
 
 
 def format_value(value):

@@ -5,12 +5,13 @@ import csv
 import functools
 import importlib.util
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont, ImageOps
+
+from utils.once import atomic_write
 
 LABEL_HEIGHT = 12  # pixels of caption under each tile
 THUMBNAIL_SIDE = 128  # pixels of a contact sheet's square tiles
@@ -117,9 +118,8 @@ def figure_array(fig):
 def save_figure(fig, path):
     """Save a Figure as a PNG atomically: a viewer never sees half a file."""
     path = Path(path)
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp)
-    os.replace(tmp, path)
+    with atomic_write(path, suffix=".png") as tmp:  # savefig picks the format by the name's end
+        fig.savefig(tmp)
 
 
 def results_figure(csv_path):

@@ -1,0 +1,312 @@
+"""Writing a file once: the project's one way to write a file whole and durably, clean what dead writers left, and
+let the other processes wait on the writer's own progress.
+
+A file (or a folder) is written under a temporary name in its own directory that names its writer,
+.NAME.tmp-HOST-PID[SUFFIX], then fsynced, renamed over its path (os.replace) and its directory fsynced, so a crash at
+any moment leaves the old file or the new one, whole, and the rename survives a power cut (atomic_write). Each write
+first removes the temporary files of the same path whose writer is gone (clean_leftovers).
+
+One process writes while the others wait (once_per_machine, or a caller's own split of the work): the work reports
+its progress (bytes received, images encoded) on a counter in a key-value store (utils/distributed.job_store(), or
+a HashStore for one process) and records its outcome (done, failed); a waiter polls both without entering a
+collective, and gives up only when the counter has not moved for STALL_SECONDS, however long the work takes in all,
+naming the writer that stopped. A stop signal (SIGTERM, Ctrl-C) while writing or waiting ends the process at once
+(stop_on_signals), its temporary file removed.
+"""
+
+import contextlib
+import itertools
+import os
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+from utils.distributed import FAILURE_GRACE_S, first_failure, job_store
+from utils.general import LOCAL_RANK, LOCAL_WORLD_SIZE, RANK, WORLD_SIZE, UsageError, error_line
+
+HOST = socket.gethostname()
+STALL_SECONDS = float(os.getenv("CLS_STALL_SECONDS", 600))  # no progress for this long is a stall (tests lower it)
+POLL_SECONDS = 0.1
+# A temporary file of another machine's writer (a shared disk) is removed only when untouched for this long: its
+# writer's pid cannot be checked from here, and a live writer writes to it far more often.
+OTHER_HOST_LEFTOVER_SECONDS = 24 * 3600
+CALLS = itertools.count()  # once_per_machine calls of this process: every rank makes the same ones, in order
+
+
+class Stalled(UsageError):
+    """Work another process does made no progress for STALL_SECONDS; says which rank waited, where, on what, and
+    who was writing."""
+
+
+class WorkFailed(RuntimeError):
+    """The work waited on failed in another process, which reports its own error (utils/distributed.exit_on_error):
+    not a UsageError, so this rank says only that it stopped for that rank's failure."""
+
+
+class Interrupted(SystemExit):
+    """A stop signal met while writing or waiting: the process ends with 128 + its number, finally blocks run."""
+
+    def __init__(self, signum, doing):
+        super().__init__(128 + signum)
+        self.line = f"{signal.Signals(signum).name}: stopped while {doing}; nothing was saved"
+
+    def __str__(self):
+        return self.line
+
+
+# Writing a file whole, durably, and cleaning what dead writers left.
+
+def temporary(path, suffix=""):
+    """The temporary name this process writes path under: beside it, naming this host and pid (clean_leftovers
+    reads them), ending in suffix (a PNG's writer picks its format by the name's end)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{HOST}-{os.getpid()}{suffix}")
+
+
+def writer_of(leftover, path):
+    """(host, pid) of the writer that named leftover for path (temporary), or None when the name is not one."""
+    rest = leftover.name.removeprefix(f".{path.name}.tmp-")
+    if rest == leftover.name:
+        return None
+    host, _, pid = rest.rpartition("-")
+    pid = pid.partition(".")[0]  # after the pid: a suffix
+    return (host, int(pid)) if host and pid.isdigit() else None
+
+
+def alive(pid):
+    """Whether a process of this pid runs on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def clean_leftovers(path):
+    """Remove the temporary files (or folders) of path whose writer is gone: on this host, its pid runs no more; on
+    another host (a shared disk), untouched for OTHER_HOST_LEFTOVER_SECONDS. Returns the paths removed."""
+    path, removed = Path(path), []
+    for leftover in path.parent.glob(f".{glob_escape(path.name)}.tmp-*"):
+        writer = writer_of(leftover, path)
+        if writer is None:
+            continue
+        host, pid = writer
+        try:
+            age = time.time() - leftover.stat().st_mtime
+            gone = not alive(pid) if host == HOST else age > OTHER_HOST_LEFTOVER_SECONDS
+        except FileNotFoundError:  # its writer finished meanwhile
+            continue
+        if gone:
+            remove(leftover)
+            removed.append(leftover)
+    return removed
+
+
+def glob_escape(name):
+    """name with glob's special characters matched as themselves."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+def remove(path):
+    """Remove a file or folder if it is there."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def fsync_path(path, flags=os.O_RDONLY):
+    """Flush path's bytes (a file) or its entries (a folder) to the disk."""
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(tmp, path):
+    """Make tmp path, durably: tmp's bytes flushed (a file's; a folder's files are not, as a folder written here is
+    written again when lost), renamed over path, and the rename flushed in path's directory. A folder over a folder
+    that is not empty raises the OSError of os.replace."""
+    tmp, path = Path(tmp), Path(path)
+    if not tmp.is_dir():
+        fsync_path(tmp)
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+@contextlib.contextmanager
+def atomic_write(path, suffix="", first_wins=False):
+    """Give the temporary path to write path's content at (a file, or a folder); on leaving, make it path (commit).
+    Leftovers of dead writers of path are removed first; on any exception (a stop signal too) the temporary is.
+    first_wins: a folder that another process (another machine on a shared disk) made first is kept, and this one
+    dropped."""
+    path = Path(path)
+    clean_leftovers(path)
+    tmp = temporary(path, suffix)
+    remove(tmp)  # this process's own, from an earlier write that did not end
+    try:
+        yield tmp
+        try:
+            commit(tmp, path)
+        except OSError:
+            if not (first_wins and path.is_dir()):
+                raise
+    finally:
+        remove(tmp)
+
+
+# Waiting for work another process does, on its progress rather than a clock.
+
+def local_store():
+    """A store for the work of one process (torch's HashStore), with job_store()'s calls."""
+    return dist.HashStore()
+
+
+def made(store, key, amount=1):
+    """Count amount of progress on key's work (images written, bytes received)."""
+    store.add(f"{key}/progress", amount)
+
+
+def progress(store, key):
+    """The progress counted on key's work so far."""
+    return store.add(f"{key}/progress", 0)
+
+
+def writing(store, key):
+    """Record this process as key's writer, for a waiter's line and its check that the writer still runs."""
+    store.set(f"{key}/writer", f"{RANK} {HOST} {os.getpid()}")
+
+
+def writer(store, key):
+    """(rank, host, pid) of key's writer, or None while none is recorded."""
+    if not store.check([f"{key}/writer"]):
+        return None
+    rank, host, pid = store.get(f"{key}/writer").decode().split()
+    return int(rank), host, int(pid)
+
+
+def done(store, key, error=None):
+    """Record key's work as done, or as failed with error (waiters stop at once); the first outcome recorded stands."""
+    store.compare_set(f"{key}/outcome", "", "ok:" if error is None else f"error:{error_line(error)}")
+
+
+def finished(store, key, doing="waiting"):
+    """Whether key's work has an outcome; on a failure, WorkFailed once the failed rank's own report is in the job's
+    store (or after FAILURE_GRACE_S), so that this rank's line names that rank rather than repeating its error."""
+    if not store.check([f"{key}/outcome"]):
+        return False
+    status, _, line = store.get(f"{key}/outcome").decode().partition(":")
+    if status == "error":
+        for _ in range(int(FAILURE_GRACE_S / POLL_SECONDS)):
+            if first_failure(job_store()) is not None or job_store() is None:
+                break
+            time.sleep(POLL_SECONDS)
+        raise WorkFailed(f"rank {RANK} on {HOST}: {doing} stopped: it failed ({line})")
+    return True
+
+
+def wait_for(store, key, doing, until=None, total=None, desc=None):
+    """Wait until key's work is finished (or until() is true), showing its progress as a bar on rank 0 when desc
+    is given. Stalled, naming this rank, its host, doing and key's writer, when the progress counter stood still for
+    STALL_SECONDS or the writer (on this host) is gone; the worker's error (WorkFailed) when it failed."""
+    last, since = -1, time.monotonic()
+    with tqdm(total=total, desc=desc, unit="img", leave=False, disable=desc is None or RANK != 0) as bar:
+        while not finished(store, key, doing) and not (until and until()):
+            now, who = progress(store, key), writer(store, key)
+            if now != last:
+                bar.update(now - max(last, 0))
+                last, since = now, time.monotonic()
+            elif who and who[1] == HOST and not alive(who[2]) and not finished(store, key, doing):
+                raise Stalled(f"rank {RANK} on {HOST}: {doing} stopped: its writer, rank {who[0]} on {who[1]} "
+                              f"(pid {who[2]}), is gone (at {now})")
+            elif time.monotonic() - since > STALL_SECONDS:
+                by = f" by rank {who[0]} on {who[1]} (pid {who[2]})" if who else ""
+                raise Stalled(f"rank {RANK} on {HOST}: {doing}{by} made no progress for {STALL_SECONDS:g} s "
+                              f"(at {now}); stopped waiting")
+            time.sleep(POLL_SECONDS)
+
+
+@contextlib.contextmanager
+def stop_on_signals(doing):
+    """While inside, SIGTERM and SIGINT end this process at once (Interrupted, which unwinds: temporary files are
+    removed), rather than after the write as training's StopVote would; said once a machine. Outside the main
+    thread, where handlers cannot be set, nothing changes."""
+    def stop(signum, frame):
+        if LOCAL_RANK == 0:
+            print(f"\n{signal.Signals(signum).name}: stopped while {doing}; nothing was saved", file=sys.stderr,
+                  flush=True)
+        raise Interrupted(signum, doing)
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def once_per_machine(name, doing, work):
+    """Run work(report) on local rank 0 of each machine while the machine's other ranks wait on what it reports
+    (report(n): n more bytes or items done; the waiters' stall limit runs from the last report); return once every
+    machine's work is done. work's error is raised where it is met; the ranks waiting on it stop (WorkFailed). A stop
+    signal ends the process at once (stop_on_signals). Without a process group, every process runs work itself."""
+    store = job_store()
+    alone = store is None
+    store, machines = store or local_store(), 1 if alone else max(1, WORLD_SIZE // LOCAL_WORLD_SIZE)
+    job = f"{name}/{next(CALLS)}"
+    mine = f"{job}/machine{RANK // LOCAL_WORLD_SIZE}"
+    with stop_on_signals(doing):
+        if LOCAL_RANK == 0 or alone:
+            for key in (mine, job):
+                writing(store, key)
+            try:
+                work(lambda amount: [made(store, key, amount) for key in (mine, job)])
+            except BaseException as e:  # a stop signal's too: the waiters stop at once
+                for key in (mine, job):
+                    done(store, key, e)
+                raise
+            done(store, mine)
+            store.add(f"{job}/machines", 1)
+        else:
+            wait_for(store, mine, f"waiting for local rank 0 {doing}")
+        wait_for(store, job, f"waiting for every machine {doing}",
+                 until=lambda: store.add(f"{job}/machines", 0) == machines)
+
+
+@contextlib.contextmanager
+def watching(folder, report, every=1.0):
+    """While inside, report the growth of the bytes of the files under folder (a download by another library into
+    its own cache, which reports nothing itself) every `every` seconds."""
+    stop = threading.Event()
+
+    def size():
+        return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file()) if Path(folder).is_dir() else 0
+
+    def watch():
+        last = size()
+        while not stop.wait(every):
+            with contextlib.suppress(OSError):  # a file renamed or removed while listed
+                now = size()
+                if now != last:
+                    report(abs(now - last))
+                    last = now
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
