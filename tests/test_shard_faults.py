@@ -225,6 +225,17 @@ def test_a_host_that_does_not_resolve_is_named_at_once(tmp_path):
     assert result.stderr.strip().endswith("); check data.name") and "Traceback" not in result.stderr
 
 
+def changed_copy(shard_set, tmp_path, change):
+    """A copy of the shard set under tmp_path whose top file and train index change(top, index) edited."""
+    local = tmp_path / "shards"
+    shutil.copytree(shard_set / "shards", local)
+    top, index = (json.loads(p.read_text()) for p in (local / "dataset.json", local / "train" / "index.json"))
+    change(top, index)
+    (local / "dataset.json").write_text(json.dumps(top))
+    (local / "train" / "index.json").write_text(json.dumps(index))
+    return local
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda top, index: top.pop("classes"), "the shard set's top file has no classes list (it has ['images', "
                                             "'splits'])"),
@@ -240,12 +251,7 @@ def test_a_host_that_does_not_resolve_is_named_at_once(tmp_path):
      "train-000000.tar: its sizes are not [height, width] pairs of pixels"),
 ])
 def test_a_top_file_or_index_without_a_key_is_named(shard_set, tmp_path, change, message):
-    local = tmp_path / "shards"
-    shutil.copytree(shard_set / "shards", local)
-    top, index = (json.loads(p.read_text()) for p in (local / "dataset.json", local / "train" / "index.json"))
-    change(top, index)
-    (local / "dataset.json").write_text(json.dumps(top))
-    (local / "train" / "index.json").write_text(json.dumps(index))
+    local = changed_copy(shard_set, tmp_path, change)
     with pytest.raises(DatasetError) as error:
         open_shard_set(local)
     where = local / ("dataset.json" if "top file" in message else "train/index.json")
@@ -284,12 +290,7 @@ def shard_field(k, field, value):
 ])
 def test_a_hostile_top_file_or_index_is_refused_naming_the_file_shard_and_field(shard_set, tmp_path, change,
                                                                                 message):
-    local = tmp_path / "shards"
-    shutil.copytree(shard_set / "shards", local)
-    top, index = (json.loads(p.read_text()) for p in (local / "dataset.json", local / "train" / "index.json"))
-    change(top, index)
-    (local / "dataset.json").write_text(json.dumps(top))
-    (local / "train" / "index.json").write_text(json.dumps(index))
+    local = changed_copy(shard_set, tmp_path, change)
     with pytest.raises(DatasetError) as error:
         open_shard_set(local)
     where = local / ("dataset.json" if message.startswith(("its classes", "its train", "its images")) else
