@@ -3,6 +3,7 @@ stopped after its first steps, or the digits trained for one epoch on each data 
 
     torchrun ... benchmarks/scale_driver.py first-steps STEPS READS train.py-ARGS...
     torchrun ... benchmarks/scale_driver.py digits PROJECT CACHE_DIR BATCH [one-core]
+    python benchmarks/scale_driver.py listing-memory ROOT WORKERS
 
 first-steps: every rank records when it entered and left each function of STAGES that exists (wrapped wherever the
 project's modules refer to it, so a renamed or moved one is simply absent), and when each optimizer step ended (a
@@ -11,6 +12,13 @@ of its training loader with no model (its read throughput), reports its memory, 
 leaves. Times are seconds since the epoch, the launch's own (SCALE_LAUNCHED_AT) included, so scale.py can subtract.
 
 digits: as tests/n_invariance.py, on the embedded digits with a global batch of BATCH, into PROJECT/<data.cache>.
+
+listing-memory: ROOT's training set listed as train.py lists it, held as data.cache=jpeg holds it (JpegImages, with
+an index of as many rows and no file), read by a DataLoader of WORKERS forked workers that each take one batch, its
+share of a shuffled epoch: each worker reads every one of its samples' (path, target), as the per-image path's
+workers do, and collects garbage, as a worker's full collection does, then reports its own memory; the main process
+reports its own once the workers are gone (while they live, the pages they share with it are not its own). One line
+`SCALE {json}`.
 """
 
 import functools
@@ -182,6 +190,65 @@ def first_steps(steps, reads, argv):
     raise SystemExit(f"scale_driver.py: train.py ended before {steps} steps")
 
 
+def own_memory(pid="self"):
+    """{"uss", "pss"}: bytes of a process's unique memory (private pages, clean and dirty: what it alone holds) and
+    its proportional share, from /proc/PID/smaps_rollup."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        key, _, value = line.partition(":")
+        fields[key] = int(value.split()[0]) * 1024
+    return {"uss": fields["Private_Clean"] + fields["Private_Dirty"], "pss": fields["Pss"]}
+
+
+class TouchSamples(torch.utils.data.Dataset):
+    """A dataset's listing read as the per-image path's workers read it: item k is worker k's share of a shuffled
+    epoch (order[k::workers], an array forked with the dataset, so no list of ids is made), each sample's (path,
+    target) read and dropped; it returns the worker's memory once it has read them and collected garbage."""
+
+    def __init__(self, dataset, order, workers):
+        self.dataset, self.order, self.workers = dataset, order, workers
+
+    def __getitem__(self, k):
+        import gc
+
+        samples = self.dataset.samples
+        for i in self.order[k :: self.workers]:
+            path, target = samples[int(i)]
+        gc.collect()
+        return own_memory()
+
+    def __len__(self):
+        return self.workers
+
+
+def listing_memory(root, workers):
+    """Report the memory of a process holding root's training listing as data.cache=jpeg does, and of its workers
+    after each read its share of an epoch."""
+    import gc
+
+    import numpy as np
+
+    from data.datasets import train_val_datasets
+    from data.jpeg_cache import INDEX_DTYPE, JpegImages
+
+    start = own_memory()
+    source, _ = train_val_datasets(str(root), None, None)
+    count = len(source)
+    dataset = JpegImages(source, Path(root) / "none.jpegcache", {"raw": False, "channels": 3},
+                         np.zeros(count, INDEX_DTYPE), (None, (0, 0, 0)))
+    del source
+    gc.collect()
+    built = own_memory()
+    order = np.random.default_rng(0).permutation(count)
+    loader = torch.utils.data.DataLoader(TouchSamples(dataset, order, workers), batch_size=None,
+                                         num_workers=workers)
+    seen = list(loader)  # item k from worker k; the workers end with the iterator
+    del loader
+    gc.collect()
+    record.update(images=count, start=start, built=built, workers=seen, end=own_memory())
+    report()
+
+
 def digits(project, cache_dir, batch, one_core=False):
     """One epoch of the digits on each data path into project/<path>, as tests/n_invariance.py trains."""
     from utils.config import load_recipe
@@ -207,5 +274,7 @@ if __name__ == "__main__":
     mode, *rest = sys.argv[1:]
     if mode == "first-steps":
         first_steps(int(rest[0]), int(rest[1]), rest[2:])
+    elif mode == "listing-memory":
+        listing_memory(rest[0], int(rest[1]))
     else:
         digits(rest[0], rest[1], int(rest[2]), rest[3:] == ["one-core"])

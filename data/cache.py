@@ -58,7 +58,8 @@ class RamImages(Dataset):
         # Multi-label: the source's class-index tuples, made multi-hot per batch (a byte per class and image
         # would be 1.3 GB at ImageNet's size with 1,000 classes)
         self.multilabel = getattr(source, "multilabel", False)
-        self.targets = source.targets if self.multilabel else torch.as_tensor(source.targets, dtype=torch.int64)
+        self.targets = (source.targets if self.multilabel  # a Listing's targets (arrays) or a list
+                        else torch.from_numpy(np.asarray(source.targets, dtype=np.int64)))
         store = store_transform(spec) if spec is not None else None
         sizes, self.stored, self.pixels, self.offsets = decode_all(
             source, transform, store, memory_budget() if budget == MEASURE else budget, used)

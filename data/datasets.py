@@ -16,9 +16,9 @@ import utils.general
 from data.cache import cached_datasets, keep_batch
 from data.cifar import CIFAR, cifar_dataset
 from data.jpeg_cache import decodes_on_device, jpeg_datasets
-from data.layouts import (CLASS_FOLDERS, CSV_FILES, SPLIT_FILE, VAL_NAMES, HoldOut, csv_dataset, csv_datasets, either,
-                          find_layout, first_present, listed_alike, listed_split, read_split, split_files,
-                          training_bar)
+from data.layouts import (CLASS_FOLDERS, CSV_FILES, SPLIT_FILE, VAL_NAMES, HoldOut, Listing, csv_dataset, csv_datasets,
+                          either, find_layout, first_present, listed_alike, listed_split, read_split, set_samples,
+                          split_files, training_bar)
 from data.mix import batch_mixer
 from data.multilabel import check_task, positive_weights, write_multidigits
 from data.shard_sets import describe, eval_shards, shard_datasets
@@ -98,7 +98,8 @@ def load_rgb(path):
 
 
 def image_folder(folder, transform):
-    """torchvision ImageFolder read with load_rgb, with errors that name the folder and what it must hold."""
+    """torchvision ImageFolder read with load_rgb, its samples a Listing (data/layouts.py), with errors that name the
+    folder and what it must hold."""
     try:
         dataset = ImageFolder(str(folder), transform=transform, loader=load_rgb, allow_empty=True)
     except FileNotFoundError:  # torchvision's find_classes: no class folders
@@ -111,6 +112,7 @@ def image_folder(folder, transform):
     if empty:
         raise DatasetError(f"{', '.join(empty)}: no image files ({', '.join(IMG_EXTENSIONS)}); add images to each "
                            f"class folder or remove the empty one(s)")
+    set_samples(dataset, Listing.of(dataset.root, dataset.samples))
     return dataset
 
 
@@ -122,7 +124,7 @@ def labelled_as(dataset, classes, unknown_means):
         raise DatasetError(f"{dataset.root}: classes {unknown} {unknown_means}")
     if dataset.classes != list(classes):
         index = {name: i for i, name in enumerate(classes)}
-        set_samples(dataset, [(path, index[dataset.classes[i]]) for path, i in dataset.samples])
+        set_samples(dataset, dataset.samples.relabelled([index[name] for name in dataset.classes]))
         dataset.classes, dataset.class_to_idx = list(classes), index
     return dataset
 
@@ -174,14 +176,8 @@ def skip_unreadable(dataset):
         path, reason = next(iter(bad.items()))
         raise DatasetError(f"{folder}: none of its {len(bad)} images is readable (e.g. {path}: {reason}); replace "
                            f"them with readable images")
-    set_samples(dataset, [(path, i) for path, i in dataset.samples if path not in bad])  # class indices unchanged
+    set_samples(dataset, dataset.samples.taken([path not in bad for path in paths]))  # class indices unchanged
     return bad
-
-
-def set_samples(dataset, samples):
-    """Give an ImageFolder new (path, class index) samples, its imgs and targets to match."""
-    dataset.samples = samples
-    dataset.imgs, dataset.targets = samples, [i for _, i in samples]
 
 
 def skipped_message(skipped, shown=20):
@@ -422,6 +418,7 @@ def balanced_class_weights(dataset):
     A class without images weighs 0. Multi-label data: each class's positive weight (positive_weights)."""
     if getattr(dataset, "multilabel", False):
         return positive_weights(dataset)
-    counts = torch.bincount(torch.as_tensor(dataset.targets, dtype=torch.int64), minlength=len(dataset.classes))
+    targets = torch.from_numpy(np.asarray(dataset.targets, dtype=np.int64))  # a list, or a Listing's (an array)
+    counts = torch.bincount(targets, minlength=len(dataset.classes))
     weights = len(dataset) / (counts.count_nonzero() * counts.double())  # inf where count_c is 0: replaced
     return torch.where(counts > 0, weights, 0.0).float()

@@ -3,10 +3,14 @@ path,label, and one folder of class folders split by data.val_split, whose split
 resumed run and val.py use exactly the same one, whatever files were added since.
 
 Their datasets are ListedImages, which look like torchvision's ImageFolder (root, samples, targets, classes), so the
-RAM cache, data.skip_corrupt, the samplers and val.py take them alike."""
+RAM cache, data.skip_corrupt, the samplers and val.py take them alike. Every layout's samples, an ImageFolder's too, are
+a Listing: arrays, not a Python object per image, so that a process and each of its DataLoader workers hold some tens
+of bytes an image, not hundreds (objects' reference counts, touched by a worker, copy their pages into it)."""
 
 import csv
 import hashlib
+import operator
+from collections.abc import Sequence
 import json
 import math
 import os
@@ -14,9 +18,10 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from torchvision.datasets import VisionDataset
 
-from data.multilabel import multi_hot, split_labels, target_bytes
+from data.multilabel import multi_hot, split_labels
 from utils.distributed import gather_object, on_rank0
 from utils.general import LOGGER, RANK, DatasetError, colorstr, error_line
 from utils.once import atomic_write
@@ -38,17 +43,133 @@ class HoldOut:
     saved_in: Path | None = None
 
 
-class ListedImages(VisionDataset):
-    """Images given as (path, class index) samples, read like an ImageFolder's: the same attributes and the same
-    loader. name ('train', 'val', 'valid', ...) names the file data.skip_corrupt keeps its results in. Multi-label
-    samples hold a tuple of class indices instead, and load as a multi-hot uint8 vector (data/multilabel.py)."""
+class Listing(Sequence):
+    """A data set's (path, target) samples, held as arrays: every path relative to root as UTF-8 (surrogateescape: any
+    file name) in one bytes object with its start offsets, the targets as int64 class indices, or for multi-label
+    samples (tuples of class indices) every sample's indices in one array with their offsets. Reads as the list of
+    tuples it replaces: samples[i] is (os.path.join(root, name), target), a list's equality and slices included.
 
-    def __init__(self, root, samples, classes, transform, loader, name, multilabel=False):
-        super().__init__(str(root), transform=transform)
+    About 50 bytes an ImageNet image, in pages a forked DataLoader worker shares with its process. A list of tuples
+    of str took some 150 bytes more in the process, and about 190 in each worker, which copies the objects' pages as
+    it touches their reference counts (or its garbage collector the tuples'): benchmarks/scale.py --only memory."""
+
+    def __init__(self, root, names, offsets, labels, label_offsets=None):
+        self.root, self.names, self.offsets, self.labels = str(root), names, offsets, labels
+        self.label_offsets, self.multilabel = label_offsets, label_offsets is not None
+
+    @classmethod
+    def listed(cls, root, names, targets, multilabel=False):
+        """The Listing of samples named (relative to root, or absolute) by names, with targets."""
+        encoded = [name.encode("utf-8", "surrogateescape") for name in names]
+        offsets = np.cumsum([0, *map(len, encoded)], dtype=np.int64)
+        if not multilabel:
+            return cls(root, b"".join(encoded), offsets, np.asarray(targets, dtype=np.int64).reshape(-1))
+        labels = np.fromiter((c for t in targets for c in t), np.int64)
+        return cls(root, b"".join(encoded), offsets, labels, np.cumsum([0, *map(len, targets)], dtype=np.int64))
+
+    @classmethod
+    def of(cls, root, samples, multilabel=False):
+        """The Listing of (path, target) samples whose paths lie under root (or are absolute)."""
+        prefix = os.path.join(str(root), "")
+        return cls.listed(root, [path.removeprefix(prefix) for path, _ in samples], [t for _, t in samples],
+                          multilabel)
+
+    def name(self, i):
+        """Sample i's path relative to root."""
+        return self.names[self.offsets[i] : self.offsets[i + 1]].decode("utf-8", "surrogateescape")
+
+    def target(self, i):
+        """Sample i's class index (an int), or its tuple of class indices (multi-label)."""
+        if self.multilabel:
+            return tuple(self.labels[self.label_offsets[i] : self.label_offsets[i + 1]].tolist())
+        return int(self.labels[i])
+
+    @property
+    def targets(self):
+        """The samples' targets, as a sequence that reads as their list."""
+        return Targets(self)
+
+    def taken(self, keep):
+        """The Listing of the samples keep selects (indices, or a boolean mask), in order."""
+        index = np.flatnonzero(keep) if np.asarray(keep).dtype == bool else np.asarray(keep, np.int64)
+        targets = [self.target(i) for i in index] if self.multilabel else self.labels[index]
+        return Listing.listed(self.root, [self.name(i) for i in index], targets, self.multilabel)
+
+    def relabelled(self, new_index):
+        """The same samples with class c now new_index[c] (single-label)."""
+        return Listing(self.root, self.names, self.offsets, np.asarray(new_index, dtype=np.int64)[self.labels])
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        i = operator.index(i)
+        i = i + len(self) if i < 0 else i
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} of {len(self)}")
+        return os.path.join(self.root, self.name(i)), self.target(i)
+
+    def __len__(self):
+        return len(self.offsets) - 1
+
+    def __eq__(self, other):
+        if isinstance(other, Listing):
+            return (self.root, self.names, self.multilabel) == (other.root, other.names, other.multilabel) and all(
+                np.array_equal(a, b) for a, b in ((self.offsets, other.offsets), (self.labels, other.labels),
+                                                  (self.label_offsets, other.label_offsets)))
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None
+
+    def __repr__(self):
+        return f"Listing({list(self)!r})" if len(self) <= 20 else f"<Listing of {len(self)} samples under {self.root}>"
+
+
+class Targets(Sequence):
+    """A Listing's targets, read as their list: targets[i] is sample i's class index or tuple of class indices;
+    np.asarray gives the class indices of single-label samples without a Python object each."""
+
+    def __init__(self, listing):
+        self.listing = listing
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        return self.listing[i][1]
+
+    def __len__(self):
+        return len(self.listing)
+
+    def __array__(self, dtype=None, copy=None):
+        if self.listing.multilabel:
+            raise TypeError("multi-label targets are tuples of class indices: see data/multilabel.py's multi_hot")
+        return self.listing.labels if dtype is None else self.listing.labels.astype(dtype)
+
+    def __eq__(self, other):
+        return isinstance(other, (Sequence, np.ndarray)) and list(self) == list(other)
+
+    __hash__ = None
+
+    def __repr__(self):
+        return repr(list(self)) if len(self) <= 20 else f"<{len(self)} targets>"
+
+
+def set_samples(dataset, samples):
+    """Give a dataset (an ImageFolder, ListedImages) samples, a Listing: its imgs and targets to match."""
+    dataset.samples = dataset.imgs = samples
+    dataset.targets = samples.targets
+
+
+class ListedImages(VisionDataset):
+    """Images given as (path, class index) samples (a Listing), read like an ImageFolder's: the same attributes and
+    the same loader. name ('train', 'val', 'valid', ...) names the file data.skip_corrupt keeps its results in.
+    Multi-label samples hold a tuple of class indices instead, and load as a multi-hot uint8 vector
+    (data/multilabel.py)."""
+
+    def __init__(self, samples, classes, transform, loader, name):
+        super().__init__(samples.root, transform=transform)
         self.classes, self.class_to_idx = list(classes), {c: i for i, c in enumerate(classes)}
-        self.samples = self.imgs = samples
-        self.targets = [target for _, target in samples]
-        self.loader, self.name, self.multilabel = loader, name, multilabel
+        set_samples(self, samples)
+        self.loader, self.name, self.multilabel = loader, name, samples.multilabel
 
     @property
     def verify_cache(self):
@@ -126,11 +247,11 @@ SAME_DATA = ("every machine needs the same copy of the dataset (the same files, 
 
 def listing(dataset):
     """(images, classes, digest) of a dataset: the digest hashes its classes and its (path relative to its root,
-    class) samples in order; equal on two ranks when they list the same. A second for ImageNet's 1.28M images."""
-    prefix = os.path.join(dataset.root, "")
-    names = "\0".join([path.removeprefix(prefix) for path, _ in dataset.samples])  # no path holds a NUL
-    digest = hashlib.sha256(names.encode("utf-8", "surrogateescape"))
-    digest.update(target_bytes(dataset.targets))
+    class) samples in order (its Listing's arrays); equal on two ranks when they list the same."""
+    samples = dataset.samples
+    digest = hashlib.sha256(samples.names)
+    for array in (samples.offsets, samples.labels, samples.label_offsets):
+        digest.update(b"" if array is None else array.tobytes())
     digest.update(json.dumps(dataset.classes).encode())
     return len(dataset.samples), len(dataset.classes), digest.hexdigest()
 
@@ -226,8 +347,9 @@ def csv_dataset(csv_file, transform, loader, classes=None, unknown_means="", all
                 raise DatasetError(f"{csv_file}, line {line}: label {label!r} {unknown_means}")
     repeats = repeated_rows(csv_file, rows, names)
     target = (lambda labels: tuple(sorted(index[name] for name in labels))) if multilabel else index.__getitem__
-    samples = [(os.path.join(folder, name), target(labels)) for name, (_, _, labels) in zip(names, rows)]
-    missing = [(line, path) for (line, path, _), (full, _) in zip(rows, samples) if not os.path.isfile(full)]
+    samples = Listing.listed(folder, names, [target(labels) for _, _, labels in rows], multilabel)
+    missing = [(line, path) for (line, path, _), name in zip(rows, names)
+               if not os.path.isfile(os.path.join(folder, name))]
     if missing:
         (line, path), more = missing[0], f" ({len(missing)} of its {len(rows)} files are missing)"
         raise DatasetError(f"{csv_file}, line {line}: {path}: no such file{more if len(missing) > 1 else ''}; paths "
@@ -236,7 +358,7 @@ def csv_dataset(csv_file, transform, loader, classes=None, unknown_means="", all
         first, line, path = repeats[0]
         LOGGER.warning(f"{colorstr('data:')} {csv_file}: {len(repeats)} row(s) list an image again with the same label "
                        f"(e.g. {path}, lines {first} and {line}); each image counts as often as it is listed")
-    dataset = ListedImages(folder, samples, classes, transform, loader, csv_file.stem, multilabel)
+    dataset = ListedImages(samples, classes, transform, loader, csv_file.stem)
     dataset.label_bar = bar
     return dataset
 
@@ -334,18 +456,18 @@ def split_files(folder, share, seed):
 def listed_split(root, record, which, transform, loader, classes, source):
     """A ListedImages of a split record's `which` list ('train' or 'val') under root, labelled with classes (a file's
     class is its first folder); a listed file that is gone, or of another class, is an error naming source."""
-    index, samples = {name: i for i, name in enumerate(classes)}, []
+    index, targets = {name: i for i, name in enumerate(classes)}, []
     for name in record[which]:
         label = name.split("/", 1)[0]
         if label not in index:
             raise DatasetError(f"{source}: {name}: class {label!r} is not among the {len(classes)} classes "
                                f"{classes[:5]}...")
-        samples.append((os.path.join(root, name), index[label]))
-    missing = [name for name, (path, _) in zip(record[which], samples) if not os.path.isfile(path)]
+        targets.append(index[label])
+    missing = [name for name in record[which] if not os.path.isfile(os.path.join(root, name))]
     if missing:
-        raise DatasetError(f"{source}: {len(missing)} of its {len(samples)} {which} files are not in {root} (e.g. "
+        raise DatasetError(f"{source}: {len(missing)} of its {len(targets)} {which} files are not in {root} (e.g. "
                            f"{missing[0]}); restore them, or start a new run, which splits the folder afresh")
-    return ListedImages(root, samples, classes, transform, loader, which)
+    return ListedImages(Listing.listed(root, record[which], targets), classes, transform, loader, which)
 
 
 def read_split(path, remedy):

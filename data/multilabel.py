@@ -35,15 +35,6 @@ def multi_hot(targets, num_classes):
     return torch.from_numpy(hot)
 
 
-def target_bytes(targets):
-    """Bytes that say which targets a dataset holds, in order (class indices, or class-index tuples), for comparing
-    what ranks list."""
-    if targets and isinstance(targets[0], tuple):
-        lengths = np.asarray([len(t) for t in targets], np.int64)
-        return lengths.tobytes() + np.asarray([c for t in targets for c in t], np.int64).tobytes()
-    return np.asarray(targets, dtype=np.int64).tobytes()
-
-
 def positive_weights(dataset):
     """train.class_weights=balanced for multi-label data: each class's BCE positive weight, its negatives over its
     positives in the training set (as torch's BCEWithLogitsLoss documents pos_weight); 1 for a class without

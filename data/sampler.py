@@ -129,7 +129,7 @@ class BalancedSampler(DistributedShuffleSampler):
     """
 
     def __init__(self, targets, **kwargs):
-        targets = torch.as_tensor(targets, dtype=torch.int64)
+        targets = torch.from_numpy(np.asarray(targets, dtype=np.int64))  # a list, or a Listing's (an array)
         super().__init__(len(targets), **kwargs)
         counts = torch.bincount(targets)
         present = counts.nonzero().flatten()

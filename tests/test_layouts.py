@@ -3,6 +3,7 @@
 data.val_split, the split saved with the run and reused by a resume and by val.py whatever files are added later.
 Class names stay as spelled; images of any mode decode as a person sees them."""
 
+import copy
 import csv
 import os
 import socket
@@ -15,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torch.utils.data import DataLoader
+from torchvision.datasets import ImageFolder
 
 import predict
 import train
@@ -22,7 +25,7 @@ import val
 from conftest import console_lines, read_results, run_torchrun
 from data.cache import RamImages
 from data.datasets import build_datasets, train_val_datasets
-from data.layouts import HoldOut, split_files
+from data.layouts import HoldOut, Listing, split_files
 from data.verify import decode
 from utils.checkpoint import load_checkpoint
 from utils.general import DatasetError
@@ -418,3 +421,47 @@ def test_ranks_that_list_different_images_stop_with_one_line_naming_them(tmp_pat
             f"val), 2 classes; rank 1 on {host}: 11 / 6 images (train / val), 2 classes; every machine needs the same "
             f"copy of the dataset") in result.stderr
     assert len(console_lines(result.stderr, "train.py: error:")) == 1
+
+
+def expected_samples(root, layout):
+    """Write root in layout; the (path, target) training samples a list of tuples held before Listing: torchvision's
+    ImageFolder's own list, or made from the CSV rows or the split's file names."""
+    classes = sorted(CLASSES)
+    if layout == "folders":
+        return ImageFolder(str(split_folders(root, "val") / "train")).samples
+    if layout == "val_split":
+        record = split_files(ImageFolder(str(class_folders(root, 4))), 0.25, 0)
+        return [(os.path.join(root, name), classes.index(name.split("/")[0])) for name in record["train"]]
+    paths = write_images(root / "images", "hot dog", 4) + write_images(root / "images", "crème brûlée", 2, start=4)
+    if layout == "csv":
+        labels = ["hot dog"] * 4 + ["crème brûlée"] * 2
+        write_csv(root / "train.csv", [(f"./images/{p.name}", label) for p, label in zip(paths, labels)])
+        write_csv(root / "val.csv", [(f"images/{paths[0].name}", "hot dog")])
+        return [(str(p), classes.index(label)) for p, label in zip(paths, labels)]
+    cells = ["hot dog|crème brûlée", "", "hot dog", "crème brûlée", "crème brûlée|hot dog", "hot dog"]
+    write_csv(root / "train.csv", [(f"images/{p.name}", cell) for p, cell in zip(paths, cells)], ("path", "labels"))
+    write_csv(root / "val.csv", [(f"images/{paths[0].name}", "hot dog")], ("path", "labels"))
+    return [(str(p), tuple(sorted(classes.index(c) for c in cell.split("|") if c))) for p, cell in zip(paths, cells)]
+
+
+@pytest.mark.parametrize("layout", ["folders", "csv", "multilabel csv", "val_split"])
+def test_every_layout_holds_its_samples_as_arrays_that_read_as_the_list_of_tuples_did(tmp_path, layout):
+    root = tmp_path / "data"
+    expected = expected_samples(root, layout)
+    train_set, _ = build_datasets(root, np.asarray, np.asarray, hold_out=HoldOut(0.25 if layout == "val_split" else 0))
+    assert isinstance(train_set.samples, Listing) and train_set.imgs is train_set.samples
+    assert train_set.samples == expected and list(train_set.samples) == expected
+    assert [train_set.samples[i] for i in range(-len(expected), 0)] == expected  # negative indices, as a list's
+    assert train_set.samples[1:3] == expected[1:3]
+    assert train_set.targets == [target for _, target in expected] and len(train_set) == len(expected)
+    if layout != "multilabel csv":
+        assert np.asarray(train_set.targets).tolist() == [target for _, target in expected]
+
+    # A DataLoader's forked workers read the same batches as from the list of tuples.
+    as_list = copy.copy(train_set)
+    as_list.samples = as_list.imgs = expected
+    as_list.targets = [target for _, target in expected]
+    read = [list(DataLoader(dataset, batch_size=4, num_workers=2)) for dataset in (train_set, as_list)]
+    assert len(read[0]) == len(read[1]) == -(-len(expected) // 4)
+    for (images, targets), (list_images, list_targets) in zip(*read):
+        assert torch.equal(images, list_images) and torch.equal(targets, list_targets)
