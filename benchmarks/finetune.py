@@ -21,6 +21,7 @@ import argparse
 import csv
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -120,6 +121,7 @@ def main():
     parser.add_argument("--multilabel", action="store_true", help="multilabel-photos.yaml on collages of the digits 5-9")
     parser.add_argument("--images", type=int, default=50, help="--multilabel: training collages")
     parser.add_argument("--finetune", nargs="*", default=[], help="more recipe overrides for the fine-tuned runs")
+    parser.add_argument("--pretrained", type=Path, help="the pretraining's best.pt: reused where it is, else kept there")
     args = parser.parse_args()
     start, digits = time.time(), dataset_root("digits")
     with tempfile.TemporaryDirectory() as tmp:
@@ -127,10 +129,10 @@ def main():
         env = {**os.environ, "TORCH_HOME": str(tmp / "torch")}
         pretrain_data = orientations(digits, tmp / "digits0-4", "01234")
         task = multilabel_task(tmp, args.images) if args.multilabel else single_label_task(tmp, digits, args.per_class)
-        best, _, _ = run([f"data.name={pretrain_data}", *DIGITS, *PRETRAIN], tmp / "runs", "pretrain", env)
+        pretrained, best = pretrain(pretrain_data, tmp, env, args.pretrained)
         weights = torchvision_weights("resnet18", "IMAGENET1K_V1")
         os.environ["TORCH_HOME"] = env["TORCH_HOME"]  # cache_path() reads it, as torch.hub does
-        place_as_torchvision_weights(tmp / "runs" / "pretrain" / "weights" / "best.pt", cache_path(weights))
+        place_as_torchvision_weights(pretrained, cache_path(weights))
         print(f"pretrained on the digits 0-4 in 8 orientations: val top-1 {best:.2f}%; placed as {weights} at "
               f"{cache_path(weights).relative_to(tmp)} under a temporary TORCH_HOME\n", flush=True)
         variants = {**{name: ["model.weights=IMAGENET1K_V1", *extra, *args.finetune]
@@ -145,6 +147,19 @@ def main():
                   flush=True)
         tuned_log = next(iter(results.values()))[2]
         print_summary(task, list(variants), rows, tuned_log, time.time() - start)
+
+
+def pretrain(data, tmp, env, keep=None):
+    """(the pretraining's best.pt, its val top-1 in %): ResNet-18 trained on data, or the checkpoint at keep from an
+    earlier run (trained the same way); a new one is copied to keep where given."""
+    if keep and keep.is_file():
+        return keep, torch.load(keep, map_location="cpu", weights_only=True)["best_score"] * 100
+    best, _, _ = run([f"data.name={data}", *DIGITS, *PRETRAIN], tmp / "runs", "pretrain", env)
+    checkpoint = tmp / "runs" / "pretrain" / "weights" / "best.pt"
+    if keep:
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(checkpoint, keep)
+    return checkpoint, best
 
 
 def single_label_task(tmp, digits, per_class):
