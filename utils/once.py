@@ -12,8 +12,9 @@ a HashStore for one process) and records its outcome (done, failed); a waiter po
 collective, and gives up only when the counter has not moved for STALL_SECONDS, however long the work takes in all,
 or when a writer is gone: its pid ended (on this machine), or its sign of life in the job's store (each rank counts
 one every FAILURE_POLL_S from a thread, utils/distributed.watch_failures) stood still for LIVENESS_SECONDS, on any
-machine. The waiter's line names the writer that stopped, which the job's store then records as the rank that failed. A stop signal (SIGTERM, Ctrl-C) while writing or waiting ends the process at once
-(stop_on_signals), its temporary file removed.
+machine. The waiter's line names the writer that stopped, which the job's store then records as the rank that
+failed. A stop signal (SIGTERM, Ctrl-C) while writing or waiting ends the process at once (stop_on_signals), its
+temporary file removed.
 """
 
 import contextlib
