@@ -109,7 +109,7 @@ def test_a_waiter_stops_naming_the_writer_whose_progress_stopped_not_itself(monk
 
 
 def test_a_waiter_stops_naming_a_writer_on_another_machine_that_gives_no_sign_of_life(monkeypatch):
-    monkeypatch.setattr(utils.once, "STALL_SECONDS", 600)  # not a stall
+    monkeypatch.setattr(utils.once, "STALL_SECONDS", 5)  # ten times the liveness limit: a stall would be a failure
     monkeypatch.setattr(utils.once, "LIVENESS_SECONDS", 0.5)
     monkeypatch.setattr(utils.once, "LIVENESS_POLL_SECONDS", 0.05)
     store = local_store()
