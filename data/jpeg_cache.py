@@ -212,7 +212,7 @@ def plan(source, role, form, cache_dir, store, job, work):
     every process to write into, where the file is missing or unusable, after the temporary files of writers that
     are gone are removed."""
     try:
-        for key in (f"{work}/plan", work):
+        for key in (f"{work}/plan", work, job):
             writing(store, key)
         path, tmp = cache_path(source, role, form, cache_dir, lambda n: (made(store, f"{work}/plan", n),
                                                                          made(store, job, n))), None
@@ -345,6 +345,8 @@ def write_shared(source, path, tmp, form, transform, store, job, work):
     """Write source's images into tmp with the machine's other processes (see the module's docstring); local rank 0
     then completes it as path (finish_file). Any failure is recorded for every waiter and leaves no tmp."""
     try:
+        for key in (work, job):  # every process on the machine writes: a waiter watches each one
+            writing(store, key)
         rows = encode_chunks(source, path, tmp, form, transform, store, job, work)
         store.set(f"{work}/rows/{LOCAL_RANK}", rows.tobytes())
         store.add(f"{work}/posted", 1)

@@ -25,7 +25,10 @@ HOST = socket.gethostname()
 # A rank that sees another rank's failure in the store gives its own error (the same one, when every rank meets it)
 # this long to surface first; an error met by every rank together surfaces on all of them well within it.
 FAILURE_GRACE_S = 3.0
-FAILURE_POLL_S = 0.5  # how often each rank looks for another rank's failure in the store
+FAILURE_POLL_S = 0.5  # how often each rank looks for another rank's failure in the store, and shows it lives
+# The longest one call to the job's store waits: where the process that holds it (torchrun's agent on the first
+# machine) is gone, or its machine, a call fails after this rather than after DIST_TIMEOUT.
+STORE_TIMEOUT = timedelta(seconds=30)
 # This launch attempt's name and store, the event that stops watch_failures, and the lock held by the one thread
 # (the main one, or watch_failures) that says how this process ends; set when the process group is joined.
 _job = {"token": None, "store": None, "stop": threading.Event(), "said": threading.Lock()}
@@ -57,6 +60,11 @@ def exit_on_error(script, error, flags=None):
     line, store = error_line(error), _job["store"]
     line = in_flags(line, flags) if flags else line
     run_failure_actions()
+    if getattr(error, "blamed", None):  # this rank stopped because another died or stalled (utils/once.Stalled)
+        if store is not None:
+            record_failure(store, *error.blamed)
+        say(f"{script}: {line}", stopped_by_another=True)
+        sys.exit(2)
     if store is not None:
         record_failure(store, line)
     own = f"{script}: error: {line}" if RANK == 0 else f"{script}: error: rank {RANK} on {HOST}: {line}"
@@ -85,11 +93,12 @@ def stop_if_another_rank_failed(script):
         sys.exit(2)
 
 
-def record_failure(store, line):
-    """Put this rank's error line in the job's store, and this rank as the first that failed unless one was."""
+def record_failure(store, line, rank=RANK, host=HOST):
+    """Put this rank's error line in the job's store, and this rank as the first that failed unless one was; or
+    those of another rank, one that died or stalled, which cannot say its own."""
     try:
-        store.set(f"error/{RANK}", json.dumps({"host": HOST, "line": line}))
-        store.compare_set("first", "", str(RANK))
+        store.set(f"error/{rank}", json.dumps({"host": host, "line": line}))
+        store.compare_set("first", "", str(rank))
     except Exception:  # the store's host is gone: the job is ending, and this rank still says its line
         pass
 
@@ -155,10 +164,11 @@ def record_for_torchrun(line, stopped_by_another=False):
 
 
 def watch_failures(script, store, stop):
-    """Until stop is set (the process group is left): once another rank records a failure, give this rank's own
-    error FAILURE_GRACE_S to surface, then say the failed rank and end this process, wherever its main thread waits
-    (a collective with a rank that left can wait until DIST_TIMEOUT)."""
+    """Until stop is set (the process group is left): show that this process lives (sign_of_life); once another rank
+    records a failure, give this rank's own error FAILURE_GRACE_S to surface, then say the failed rank and end this
+    process, wherever its main thread waits (a collective with a rank that left can wait until DIST_TIMEOUT)."""
     while not stop.wait(FAILURE_POLL_S):
+        sign_of_life(store)
         first = first_failure(store)
         if first is None:
             continue
@@ -167,6 +177,15 @@ def watch_failures(script, store, stop):
         run_failure_actions()
         say_stopped(script, first)
         os._exit(2)
+
+
+def sign_of_life(store):
+    """Count one on this rank's sign of life in the job's store: a rank whose count stands still is gone or stopped
+    (killed, SIGSTOPped, its machine down), whatever its work does (utils/once.wait_for reads it)."""
+    try:
+        store.add(f"alive/{RANK}", 1)
+    except Exception:  # the store's host is gone: the waiters say so
+        pass
 
 
 def distributed_backend(cuda_available, share_one_gpu=SHARE_ONE_GPU):
@@ -187,7 +206,8 @@ def setup_distributed():
         dist.init_process_group(backend=distributed_backend(torch.cuda.is_available()), timeout=DIST_TIMEOUT,
                                 **restart_store())
         _job["token"] = broadcast_object(uuid.uuid4().hex)  # this attempt's own name in the store, drawn by rank 0
-        _job["store"] = job_store()
+        _job["store"] = connect_job_store(_job["token"])
+        sign_of_life(_job["store"])  # before any other rank can wait on this one
         _job["stop"], _job["said"] = threading.Event(), threading.Lock()
         threading.Thread(target=watch_failures, args=(os.path.basename(sys.argv[0]), _job["store"], _job["stop"]),
                          name="watch_failures", daemon=True).start()
@@ -197,9 +217,15 @@ def job_store():
     """The process group's key-value store (torch's TCPStore, reachable from every rank on every machine), under a
     prefix that names this launch attempt alone: keys of a failed attempt that torchrun restarted are never read.
     None for one process."""
-    if not dist.is_initialized() or _job["token"] is None:
-        return None
-    return dist.PrefixStore(f"cls/{_job['token']}/", dist.distributed_c10d._get_default_store())
+    return _job["store"] if dist.is_initialized() else None
+
+
+def connect_job_store(token):
+    """A connection of this process's own to the store the process group joined at (MASTER_ADDR:MASTER_PORT, as
+    torchrun sets them), whose calls wait at most STORE_TIMEOUT, under token's prefix (job_store)."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=STORE_TIMEOUT, wait_for_workers=False)
+    return dist.PrefixStore(f"cls/{token}/", store)
 
 
 def restart_store():
