@@ -14,6 +14,11 @@ it started (1-based; see StopVote):
     kill-rank-at-step:S:R    on torchrun's first attempt only, rank R SIGKILLs itself during step S
     nan-loss-at-step:S:R     rank R's training loss is nan in its S-th step
     low-memory-on-rank:R:MB  rank R's machine seems to have MB MiB of memory available, and no cgroup limit
+    fail-while-others-wait:R rank R meets a usage error on joining the process group, while every other rank waits
+                             there for ever, as in a GPU collective that a rank which left never breaks (gloo's do)
+    slow-to-say-on-rank:R:S  rank R takes S seconds more between recording its error and saying it, as under load
+
+Several faults can be given at once, separated by commas.
 """
 
 import errno
@@ -22,6 +27,8 @@ import runpy
 import signal
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -29,9 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import utils.checkpoint  # noqa: E402
+import utils.distributed  # noqa: E402
 import utils.memory  # noqa: E402
 import utils.stopping  # noqa: E402
-from utils.general import RANK, RESTART_COUNT  # noqa: E402
+from utils.general import RANK, RESTART_COUNT, UsageError  # noqa: E402
 
 counts = {"save": 0, "step": 0}
 
@@ -121,14 +129,37 @@ def low_memory_on_rank(rank, mib):
         utils.memory.memory_budget.__defaults__ = (str(meminfo), "/nonexistent", "/nonexistent", None)
 
 
+def fail_while_others_wait(rank):
+    original = utils.distributed.setup_distributed
+
+    def setup_distributed():
+        original()
+        if RANK == int(rank):
+            raise UsageError(f"injected: rank {rank} alone meets this")
+        threading.Event().wait()  # no timeout: only the process group's watch_failures can end this rank
+    utils.distributed.setup_distributed = setup_distributed
+
+
+def slow_to_say_on_rank(rank, seconds):
+    original = utils.distributed.record_failure
+
+    def record_failure(*args):
+        original(*args)
+        if RANK == int(rank):
+            time.sleep(float(seconds))
+    utils.distributed.record_failure = record_failure
+
+
 FAULTS = {"killpg-after-save": on_save(save_then_killpg), "killpg-in-save": on_save(killpg_before_rename),
           "enospc-in-save": on_save(fail_with_enospc), "signal-at-step": on_step(send_signal),
           "signal-torchrun-at-step": on_step(send_signal_to_torchrun),
           "kill-rank-at-step": on_step(kill_rank), "nan-loss-at-step": nan_loss_at_step,
-          "low-memory-on-rank": low_memory_on_rank}
+          "low-memory-on-rank": low_memory_on_rank, "fail-while-others-wait": fail_while_others_wait,
+          "slow-to-say-on-rank": slow_to_say_on_rank}
 
 if __name__ == "__main__":
-    name, *args = sys.argv[1].split(":")
-    FAULTS[name](*(int(a) if name.endswith("save") else a for a in args))
+    for fault in sys.argv[1].split(","):
+        name, *args = fault.split(":")
+        FAULTS[name](*(int(a) if name.endswith("save") else a for a in args))
     sys.argv = sys.argv[2:]
     runpy.run_path(sys.argv[0], run_name="__main__")
