@@ -3,6 +3,7 @@ how an error met by one rank reaches the user and ends the others."""
 
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -64,6 +65,8 @@ def exit_on_error(script, error, flags=None):
         record_for_torchrun(own, seconds)  # not said twice, but torchrun's summary of this rank still shows its line
     else:
         say(own, seconds)
+    if store is not None:  # said; leaving the group can take seconds, in which a rank that this failure stopped
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # may end, and torchrun's SIGTERM would make this code 2 a -15
     sys.exit(2)
 
 
