@@ -17,6 +17,11 @@ it started (1-based; see StopVote):
     kill-in-jpeg-cache:R     rank R SIGKILLs itself as it writes its first images into its JPEG cache file
     hang-in-jpeg-cache:R     rank R hangs (alive) as it writes its first images into its JPEG cache file
     as-host:NAME             this torchrun agent's ranks name their machine NAME, as ranks on another machine do
+    fail-while-others-wait:R rank R meets a usage error on joining the process group, while every other rank waits
+                             there for ever, as in a GPU collective that a rank which left never breaks (gloo's do)
+    slow-to-say-on-rank:R:S  rank R takes S seconds more between recording its error and saying it, as under load
+
+Several faults can be given at once, separated by commas.
 """
 
 import errno
@@ -25,6 +30,7 @@ import runpy
 import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -38,7 +44,7 @@ import utils.distributed  # noqa: E402
 import utils.memory  # noqa: E402
 import utils.once  # noqa: E402
 import utils.stopping  # noqa: E402
-from utils.general import RANK, RESTART_COUNT  # noqa: E402
+from utils.general import RANK, RESTART_COUNT, UsageError  # noqa: E402
 
 counts = {"save": 0, "step": 0}
 
@@ -149,12 +155,34 @@ def as_host(name):
     utils.once.HOST = utils.distributed.HOST = name
 
 
+def fail_while_others_wait(rank):
+    original = utils.distributed.setup_distributed
+
+    def setup_distributed():
+        original()
+        if RANK == int(rank):
+            raise UsageError(f"injected: rank {rank} alone meets this")
+        threading.Event().wait()  # no timeout: only the process group's watch_failures can end this rank
+    utils.distributed.setup_distributed = setup_distributed
+
+
+def slow_to_say_on_rank(rank, seconds):
+    original = utils.distributed.record_failure
+
+    def record_failure(*args):
+        original(*args)
+        if RANK == int(rank):
+            time.sleep(float(seconds))
+    utils.distributed.record_failure = record_failure
+
+
 FAULTS = {"killpg-after-save": on_save(save_then_killpg), "killpg-in-save": on_save(killpg_before_rename),
           "enospc-in-save": on_save(fail_with_enospc), "signal-at-step": on_step(send_signal),
           "signal-torchrun-at-step": on_step(send_signal_to_torchrun),
           "kill-rank-at-step": on_step(kill_rank), "nan-loss-at-step": nan_loss_at_step,
           "low-memory-on-rank": low_memory_on_rank, "kill-in-jpeg-cache": in_jpeg_cache_write(lambda: os.kill(
-              os.getpid(), signal.SIGKILL)), "hang-in-jpeg-cache": in_jpeg_cache_write(hang), "as-host": as_host}
+              os.getpid(), signal.SIGKILL)), "hang-in-jpeg-cache": in_jpeg_cache_write(hang), "as-host": as_host,
+          "fail-while-others-wait": fail_while_others_wait, "slow-to-say-on-rank": slow_to_say_on_rank}
 
 if __name__ == "__main__":
     for fault in sys.argv[1].split(","):

@@ -3,6 +3,7 @@ how an error met by one rank reaches the user and ends the others."""
 
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -57,21 +58,24 @@ def exit_on_error(script, error, flags=None):
     error is first recorded in the job's store, where every other rank finds it (watch_failures). flags: for a script
     whose options are not train.py's recipe keys, {recipe key: its option} (val.py: {'data.name': '--data'}), so that
     a line from the shared data code names what the user typed (utils.general.in_flags)."""
-    line, store = error_line(error), _job["store"]
+    line, store, seconds = error_line(error), _job["store"], int(time.time())
     line = in_flags(line, flags) if flags else line
     run_failure_actions()
     if getattr(error, "blamed", None):  # this rank stopped because another died or stalled (utils/once.Stalled)
+        blamed_line, blamed_rank, blamed_host = error.blamed
         if store is not None:
-            record_failure(store, *error.blamed)
-        say(f"{script}: {line}", stopped_by_another=True)
+            record_failure(store, blamed_line, seconds, blamed_rank, blamed_host)
+        say(f"{script}: {line}", seconds + 1)  # after the blamed rank's second: torchrun names it where it can
         sys.exit(2)
     if store is not None:
-        record_failure(store, line)
+        record_failure(store, line, seconds)
     own = f"{script}: error: {line}" if RANK == 0 else f"{script}: error: rank {RANK} on {HOST}: {line}"
     if RANK != 0 and said_by_rank0(store, error, line):
-        record_for_torchrun(own)  # not said twice, but torchrun's summary of this rank still shows its line
+        record_for_torchrun(own, seconds)  # not said twice, but torchrun's summary of this rank still shows its line
     else:
-        say(own)
+        say(own, seconds)
+    if store is not None:  # said; leaving the group can take seconds, in which a rank that this failure stopped
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # may end, and torchrun's SIGTERM would make this code 2 a -15
     sys.exit(2)
 
 
@@ -93,11 +97,12 @@ def stop_if_another_rank_failed(script):
         sys.exit(2)
 
 
-def record_failure(store, line, rank=RANK, host=HOST):
-    """Put this rank's error line in the job's store, and this rank as the first that failed unless one was; or
-    those of another rank, one that died or stalled, which cannot say its own."""
+def record_failure(store, line, seconds, rank=RANK, host=HOST):
+    """Put a rank's error line and the time it met it (seconds since the epoch) in the job's store, and that rank as
+    the first that failed unless one was: this rank's, or those of another, one that died or stalled and cannot say
+    its own."""
     try:
-        store.set(f"error/{rank}", json.dumps({"host": host, "line": line}))
+        store.set(f"error/{rank}", json.dumps({"host": host, "line": line, "time": seconds}))
         store.compare_set("first", "", str(rank))
     except Exception:  # the store's host is gone: the job is ending, and this rank still says its line
         pass
@@ -112,15 +117,18 @@ def first_failure(store):
 
 
 def failure_line(store, rank, wait_s=0.0):
-    """The error line rank recorded, waiting up to wait_s for it; None if it records none."""
-    for _ in range(int(wait_s / 0.05) + 1):
+    """The error line rank recorded, waiting up to wait_s for it (by the clock: a loaded machine's polls are slow);
+    None if it records none."""
+    deadline = time.monotonic() + wait_s
+    while True:
         try:
             if store.check([f"error/{rank}"]):
                 return json.loads(store.get(f"error/{rank}"))["line"]
         except Exception:
             return None
+        if time.monotonic() >= deadline:
+            return None
         threading.Event().wait(0.05)
-    return None
 
 
 def say_stopped(script, first):
@@ -130,34 +138,36 @@ def say_stopped(script, first):
         failed = json.loads(_job["store"].get(f"error/{first}"))
     except Exception:
         failed = {"host": "its machine", "line": "its error did not reach this rank"}
+    seconds = failed.get("time", int(time.time())) + 1  # after the failed rank's: torchrun names it as root cause
     if RANK == 0:
         line = f"{script}: error: rank {first} on {failed['host']}: {failed['line']}"
     else:
         line = f"{script}: rank {RANK} on {HOST} stopped: rank {first} on {failed['host']} failed"
-    say(line, stopped_by_another=True)
+    say(line, seconds)
     # The failed rank may still wait up to FAILURE_GRACE_S for rank 0's line (said_by_rank0) before it exits. It
     # should exit first: torchrun then ends this rank, and its summary shows the failed rank's exit code, where a
     # stopped rank that exited first would have torchrun kill the failed one.
     time.sleep(FAILURE_GRACE_S + 1)
 
 
-def say(text, stopped_by_another=False):
+def say(text, seconds=None):
     """Print this process's last line, once (the main thread and watch_failures may both come to it), and record it
-    for torchrun, whose summary then shows it."""
+    for torchrun, whose summary then shows it, as met at seconds (since the epoch; now when None)."""
     if _job["store"] is None or _job["said"].acquire(blocking=False):
         print(text, file=sys.stderr, flush=True)
-        record_for_torchrun(text, stopped_by_another)
+        record_for_torchrun(text, seconds)
 
 
-def record_for_torchrun(line, stopped_by_another=False):
+def record_for_torchrun(line, seconds=None):
     """Write line as this worker's error where torchrun reads it (TORCHELASTIC_ERROR_FILE, in the format of torch's
     ErrorHandler), with no traceback: torchrun's summary shows the line alone. torchrun names as root cause the
-    error with the earliest time, in whole seconds; a rank stopped by another's failure records the next second,
-    so that the rank that failed is named, not a rank that stopped because of it."""
+    error with the earliest time, in whole seconds: a failed rank records the second it met its error (seconds,
+    not when it gets to say it: a loaded machine can take longer than the others' FAILURE_GRACE_S), and a rank
+    stopped by its failure the next one, so that the rank that failed is named, however the two are scheduled."""
     path = os.getenv("TORCHELASTIC_ERROR_FILE")
     if not path:  # one process: no torchrun to tell
         return
-    seconds = int(time.time()) + stopped_by_another
+    seconds = int(time.time()) if seconds is None else seconds
     error = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(seconds)}}
     with open(path, "w") as f:
         json.dump({"message": error}, f)
