@@ -23,6 +23,7 @@ from data.datasets import build_datasets
 from data.jpeg_cache import FOOTER, INDEX_DTYPE, StaleCache, jpeg_datasets, open_cache, read_at
 from data.transforms import crop_spec, val_transforms
 from test_cache import SIZES, data_cfg, per_image_epoch
+from test_rank_errors import RECIPE, two_nodes
 from utils.checkpoint import load_checkpoint
 from utils.config import RecipeError, load_recipe
 from utils.general import DatasetError, ImageError
@@ -334,6 +335,23 @@ def test_sigterm_while_the_cache_is_written_stops_at_once_leaving_no_file(root, 
     assert writer.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert "SIGTERM: stopped while writing the train JPEG cache; nothing was saved" in stderr
     assert cache_files(cache) == []  # neither the file, which the write would have completed, nor its temporary
+
+
+def test_machines_sharing_a_cache_dir_leave_its_files_to_one_writer_and_both_train_on_them(image_folder, tmp_path):
+    data = image_folder({"train": {"a": 6, "b": 6}, "val": {"a": 2, "b": 2}})
+    cache = tmp_path / "shared-disk"
+    # One process a node, node 1's named node-b as on another machine; its rank 1 SIGKILLs itself if it encodes an
+    # image: both train only if node 0 alone writes each file.
+    (code0, out0), (code1, out1) = two_nodes(
+        tmp_path, [*RECIPE, f"data.name={data}", "data.cache=jpeg", f"data.cache_dir={cache}"], [],
+        "as-host:node-b,kill-in-jpeg-cache:1", nproc=1, timeout=120)
+    assert code0 == 0 and code1 == 0, out0[-3000:] + out1[-3000:]
+    assert re.findall(r"wrote \S+\.jpegcache: (\d+) images, .*, encoded by 1 processes", out0) == ["12", "4"], out0
+    files = sorted(path.name for path in cache.iterdir())  # no marker or temporary file left
+    assert len(files) == 2 and all(name.endswith(".jpegcache") for name in files), files
+    for name in files:
+        count = 12 if "-train-" in name else 4
+        assert open_cache(cache / name, count)[0]["writers"] == [count]  # whole: its footer and index check out
 
 
 def test_a_jpeg_cache_run_stopped_mid_epoch_resumes_bit_identical_and_val_py_agrees(image_folder, tmp_path):

@@ -14,12 +14,14 @@ or when a writer is gone: its pid ended (on this machine), or its sign of life i
 one every FAILURE_POLL_S from a thread, utils/distributed.watch_failures) stood still for LIVENESS_SECONDS, on any
 machine. The waiter's line names the writer that stopped, which the job's store then records as the rank that
 failed. A stop signal (SIGTERM, Ctrl-C) while writing or waiting ends the process at once (stop_on_signals), its
-temporary file removed.
+temporary file removed. Machines whose disk is shared write a file on it once: the lowest-numbered of those that
+see the same directory writes, and the others wait on it (first_machine_sharing).
 """
 
 import contextlib
 import itertools
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -340,6 +342,32 @@ def once_per_machine(name, doing, work):
             wait_for(store, mine, f"waiting for local rank 0 {doing}")
         wait_for(store, job, f"waiting for every machine {doing}",
                  until=lambda: store.add(f"{job}/machines", 0) == machines)
+
+
+def first_machine_sharing(path, store, key, machine, machines, doing):
+    """The lowest-numbered of the machines (this one is machine) that sees path's directory as this one does (a
+    shared disk), so that one machine writes path for all of them: each machine makes a marker beside path named by a
+    token of its own (and, as a temporary file of path, its writer: clean_leftovers removes a dead one's), posts the
+    name on key in store, and looks for the others' once all are made (wait_for key, doing). This machine's own
+    number where the directory is its alone or cannot be written. The markers are removed once every machine looked."""
+    path = Path(path)
+    marker, marked = temporary(path, f".{secrets.token_hex(8)}.machine"), False
+    with contextlib.suppress(OSError):  # unwritable: its writer says so, and here it shares with no one
+        path.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+        marked = True
+    try:
+        store.set(f"{key}/marker/{machine}", marker.name)
+        store.add(f"{key}/marked", 1)
+        wait_for(store, key, doing, until=lambda: store.add(f"{key}/marked", 0) == machines)
+        first = next(m for m in range(machines) if m == machine or
+                     (path.parent / store.get(f"{key}/marker/{m}").decode()).exists())
+        store.add(f"{key}/looked", 1)
+        wait_for(store, key, doing, until=lambda: store.add(f"{key}/looked", 0) == machines)
+        return first
+    finally:
+        if marked:
+            remove(marker)
 
 
 @contextlib.contextmanager
