@@ -55,9 +55,7 @@ from tqdm import tqdm
 
 from data.cache import decode_crop, packed, seeded_crops, store_side, store_transform
 from data.transforms import crop_spec
-from utils.distributed import job_store
-from utils.general import (LOCAL_RANK, LOCAL_WORLD_SIZE, LOGGER, RANK, WORLD_SIZE, DatasetError, ImageError, colorstr,
-                           cpu_count, short_path)
+from utils.general import LOGGER, DatasetError, ImageError, colorstr, cpu_count, short_path
 from utils.memory import size_text
 from utils.once import (clean_leftovers, commit, done, finished, first_machine_sharing, local_store, made, progress,
                         stop_on_signals, temporary, wait_for, writing)
@@ -167,16 +165,17 @@ class JpegImages(torch.utils.data.Dataset):
         return len(self.targets)
 
 
-def jpeg_datasets(train_source, val_source, cfg, seed, val_transform, device):
+def jpeg_datasets(train_source, val_source, cfg, seed, val_transform, device, topology):
     """data.cache=jpeg: the training and validation sets as JpegImages over their cache files, each written first
-    where missing or unusable (one process per machine writes, the others wait)."""
+    where missing or unusable by the processes of one machine while the others wait (topology: this process's place
+    in the job, utils/distributed.Topology)."""
     spec, on_device = crop_spec(cfg), decodes_on_device(cfg, device)
     train_form = {"raw": False, "side": spec.size if spec.padding else store_side(spec), "padded": spec.padding > 0,
                   "quality": QUALITY}
     val_form = {"raw": True, "transform": repr(val_transform)}
-    train_set = JpegImages(train_source, *cache(train_source, "train", train_form, store_transform(spec), cfg),
-                           spec, seed, on_device)
-    val_set = JpegImages(val_source, *cache(val_source, "val", val_form, val_transform, cfg))
+    train_set = JpegImages(train_source, *cache(train_source, "train", train_form, store_transform(spec), cfg,
+                                                topology), spec, seed, on_device)
+    val_set = JpegImages(val_source, *cache(val_source, "val", val_form, val_transform, cfg, topology))
     where = "on the training device" if on_device else "in the DataLoader workers"
     LOGGER.info(f"{colorstr('data:')} JPEG cache {short_path(train_set.path)} ({len(train_set)} images, "
                 f"{size_text(train_set.nbytes)}, decoded {where}) and {short_path(val_set.path)} ({len(val_set)} "
@@ -184,25 +183,25 @@ def jpeg_datasets(train_source, val_source, cfg, seed, val_transform, device):
     return train_set, val_set
 
 
-def cache(source, role, form, transform, cfg):
+def cache(source, role, form, transform, cfg, topology):
     """(path, header, index, mapped) of source's cache file for role (train or val) in form, written first where
     missing or unusable by every process of the one machine that writes it (the lowest-numbered of those that share
     its directory); returns once every machine's file is complete."""
-    store, machines = job_store() or local_store(), max(1, WORLD_SIZE // LOCAL_WORLD_SIZE)
-    job, machine = f"jpeg/{next(CALLS)}/{role}", RANK // LOCAL_WORLD_SIZE  # job: every machine's progress, failures
+    store, machine, machines = topology.store or local_store(), topology.machine, topology.machines
+    job = f"jpeg/{next(CALLS)}/{role}"  # every machine's progress, and the first failure
     work = f"{job}/machine{machine}"
     with stop_on_signals(f"writing the {role} JPEG cache"):
-        if LOCAL_RANK == 0:
-            path, tmp, writer = plan(source, role, form, cfg.cache_dir, store, job, work, machines)
+        if topology.local_rank == 0:
+            path, tmp, writer = plan(source, role, form, cfg.cache_dir, store, job, work, topology)
         else:
             wait_for(store, f"{work}/plan", f"waiting for local rank 0 to list the {role} images")
             path, tmp, writer = json.loads(store.get(f"{work}/path"))
             path, tmp = Path(path), tmp and Path(tmp)
         if tmp is not None:
-            write_shared(source, path, tmp, form, transform, store, job, work)
+            write_shared(source, path, tmp, form, transform, store, job, work, topology)
         elif writer != machine:  # a disk shared with that machine, which writes the file
             wait_for(store, f"{job}/machine{writer}", f"waiting for machine {writer} to write {path}")
-        if LOCAL_RANK == 0:
+        if topology.local_rank == 0:
             done(store, work)  # this machine's file is complete, for the machines that share it
             store.add(f"{job}/machines", 1)
         wait_for(store, job, f"waiting for every machine's {role} cache file",
@@ -213,7 +212,7 @@ def cache(source, role, form, transform, cfg):
         raise DatasetError(f"data.cache=jpeg: {path} is unusable after it was written ({e})") from None
 
 
-def plan(source, role, form, cache_dir, store, job, work, machines):
+def plan(source, role, form, cache_dir, store, job, work, topology):
     """(path, temporary file or None, the machine that writes path) of source's cache file, as local rank 0 finds it
     (listing the images for their fingerprint, with progress) and tells the machine's other processes. Of the
     machines that share path's directory, the lowest-numbered writes it (utils/once.first_machine_sharing); there,
@@ -224,7 +223,7 @@ def plan(source, role, form, cache_dir, store, job, work, machines):
             writing(store, key)
         path, tmp = cache_path(source, role, form, cache_dir, lambda n: (made(store, f"{work}/plan", n),
                                                                          made(store, job, n))), None
-        machine = RANK // LOCAL_WORLD_SIZE
+        machine, machines = topology.machine, topology.machines
         writer = machine if machines == 1 else first_machine_sharing(
             path, store, job, machine, machines, f"waiting for every machine to list the {role} images")
         if writer == machine:
@@ -356,24 +355,24 @@ def check_rows(index, index_at, header):
                              f"{c * heights[i] * widths[i]}")
 
 
-def chunk_size(count):
-    """Images per claimed chunk: at most CHUNK, and small enough that every local process gets some."""
-    return max(1, min(CHUNK, count // (4 * LOCAL_WORLD_SIZE)))
+def chunk_size(count, processes):
+    """Images per claimed chunk: at most CHUNK, and small enough that each of the machine's processes gets some."""
+    return max(1, min(CHUNK, count // (4 * processes)))
 
 
-def write_shared(source, path, tmp, form, transform, store, job, work):
+def write_shared(source, path, tmp, form, transform, store, job, work, topology):
     """Write source's images into tmp with the machine's other processes (see the module's docstring); local rank 0
     then completes it as path (finish_file). Any failure is recorded for every waiter and leaves no tmp."""
     try:
         for key in (work, job):  # every process on the machine writes: a waiter watches each one
             writing(store, key)
-        rows = encode_chunks(source, path, tmp, form, transform, store, job, work)
-        store.set(f"{work}/rows/{LOCAL_RANK}", rows.tobytes())
+        rows = encode_chunks(source, path, tmp, form, transform, store, job, work, topology)
+        store.set(f"{work}/rows/{topology.local_rank}", rows.tobytes())
         store.add(f"{work}/posted", 1)
-        if LOCAL_RANK == 0:
+        if topology.local_rank == 0:
             wait_for(store, work, f"waiting for the local ranks writing {path}", total=len(source),
-                     until=lambda: store.add(f"{work}/posted", 0) == LOCAL_WORLD_SIZE)
-            finish_file(source, path, tmp, form, store, work)
+                     until=lambda: store.add(f"{work}/posted", 0) == topology.local_world_size)
+            finish_file(source, path, tmp, form, store, work, topology.local_world_size)
             done(store, work)
         else:
             wait_for(store, work, f"waiting for local rank 0 to write {path}")
@@ -382,17 +381,18 @@ def write_shared(source, path, tmp, form, transform, store, job, work):
             done(store, key, e)
         raise
     finally:
-        if LOCAL_RANK == 0 and tmp.exists():  # after an error; renamed otherwise
+        if topology.local_rank == 0 and tmp.exists():  # after an error; renamed otherwise
             tmp.unlink()
 
 
 ROW = np.dtype([("image", "<i8"), ("channels", "<i4"), ("row", INDEX_DTYPE)])  # a row, its image and channels
 
 
-def encode_chunks(source, path, tmp, form, transform, store, job, work):
+def encode_chunks(source, path, tmp, form, transform, store, job, work, topology):
     """ROW array of the images this process encoded into tmp: chunks claimed until none is left, each read and
     encoded by a thread pool (the next chunk's images read while this one's are written)."""
-    encode, count, size = raw_pixels if form["raw"] else jpeg_bytes, len(source), chunk_size(len(source))
+    encode, count = raw_pixels if form["raw"] else jpeg_bytes, len(source)
+    size = chunk_size(count, topology.local_world_size)
 
     def store_one(i):
         image, target = source[i]
@@ -404,12 +404,13 @@ def encode_chunks(source, path, tmp, form, transform, store, job, work):
         start = (store.add(f"{work}/chunks", 1) - 1) * size
         return [pool.submit(store_one, i) for i in range(start, min(start + size, count))]
     rows, pending = [], deque()
-    bar = tqdm(total=count, desc=f"writing {short_path(path)}", unit="img", leave=False, disable=RANK != 0)
+    bar = tqdm(total=count, desc=f"writing {short_path(path)}", unit="img", leave=False,
+               disable=topology.rank != 0)
     try:
         fd = os.open(tmp, os.O_WRONLY)
     except OSError as e:
         raise write_error(path, e) from None
-    with ThreadPoolExecutor(max(1, cpu_count() // LOCAL_WORLD_SIZE)) as pool, bar:
+    with ThreadPoolExecutor(max(1, cpu_count() // topology.local_world_size)) as pool, bar:
         try:
             pending.extend(chunk for chunk in (claim(pool), claim(pool)) if chunk)
             while pending:
@@ -443,10 +444,10 @@ def write_chunk(fd, encoded, store, work):
     return rows
 
 
-def finish_file(source, path, tmp, form, store, work):
-    """Local rank 0: gather every local process's index rows, write index, header and footer after the images,
+def finish_file(source, path, tmp, form, store, work, processes):
+    """Local rank 0: gather the index rows of the machine's processes, write index, header and footer after the images,
     and make tmp path (utils/once.commit: flushed, renamed, the rename flushed)."""
-    parts = [np.frombuffer(store.get(f"{work}/rows/{r}"), ROW) for r in range(LOCAL_WORLD_SIZE)]
+    parts = [np.frombuffer(store.get(f"{work}/rows/{r}"), ROW) for r in range(processes)]
     rows = np.concatenate(parts)
     index = np.zeros(len(source), INDEX_DTYPE)
     index[rows["image"]] = rows["row"]

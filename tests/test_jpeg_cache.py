@@ -26,6 +26,7 @@ from test_cache import SIZES, data_cfg, per_image_epoch
 from test_rank_errors import RECIPE, two_nodes
 from utils.checkpoint import load_checkpoint
 from utils.config import RecipeError, load_recipe
+from utils.distributed import topology
 from utils.general import DatasetError, ImageError
 
 CPU = torch.device("cpu")
@@ -50,7 +51,7 @@ def root(tmp_path):
 
 
 def jpeg_sets(root, cfg, device=CPU):
-    return jpeg_datasets(*build_datasets(root, None, None), cfg, 3, val_transforms(cfg), device)
+    return jpeg_datasets(*build_datasets(root, None, None), cfg, 3, val_transforms(cfg), device, topology())
 
 
 def cache_files(folder):

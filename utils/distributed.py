@@ -11,6 +11,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -228,6 +229,32 @@ def job_store():
     prefix that names this launch attempt alone: keys of a failed attempt that torchrun restarted are never read.
     None for one process."""
     return _job["store"] if dist.is_initialized() else None
+
+
+class Topology(NamedTuple):
+    """Where a process stands in the job: its rank and local rank, the processes on its machine and in all, and the
+    job's store (None for one process), for code that splits work between processes (data/jpeg_cache.py)."""
+
+    rank: int
+    local_rank: int
+    local_world_size: int
+    world_size: int
+    store: object
+
+    @property
+    def machine(self):
+        """This process's machine's number (its torchrun agent's node rank)."""
+        return self.rank // self.local_world_size
+
+    @property
+    def machines(self):
+        """The machines of the job."""
+        return max(1, self.world_size // self.local_world_size)
+
+
+def topology():
+    """This process's Topology, as torchrun describes it."""
+    return Topology(RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, WORLD_SIZE, job_store())
 
 
 def connect_job_store(token):
