@@ -85,20 +85,20 @@ def save_then_killpg(original, state, path):
 
 
 def killpg_before_rename(original, state, path):
-    utils.checkpoint.os.replace = lambda *a: killpg()  # the temporary file is complete; the rename never happens
+    utils.once.os.replace = lambda *a: killpg()  # the temporary file is complete; the rename never happens
     original(state, path)
 
 
 def fail_with_enospc(original, state, path):
-    real_fsync = utils.checkpoint.os.fsync
+    real_fsync = utils.once.os.fsync
 
     def fsync(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    utils.checkpoint.os.fsync = fsync
+    utils.once.os.fsync = fsync
     try:
         original(state, path)
     finally:
-        utils.checkpoint.os.fsync = real_fsync
+        utils.once.os.fsync = real_fsync
 
 
 def send_signal(name):
