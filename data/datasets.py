@@ -27,7 +27,7 @@ from data.transforms import crop_spec, train_transforms, val_size, val_transform
 from data.verify import UNREADABLE, decode, unreadable_images, unreadable_reason
 from utils.checkpoint import run_dir_of
 from utils.config import names_shards
-from utils.distributed import on_rank0
+from utils.distributed import on_rank0, topology
 from utils.general import LOGGER, RANK, WORLD_SIZE, DatasetError, ImageError, colorstr, short_path
 from utils.once import atomic_write, once_per_machine
 
@@ -275,7 +275,7 @@ def training_datasets(cfg, seed, saved_in=None, device=torch.device("cpu")):
                                                   cfg.csv_allow_outside)
     check_task(train_source, cfg.multilabel, cfg.name, val_source)  # before decoding every image
     if cfg.cache == "jpeg":
-        return jpeg_datasets(train_source, val_source, cfg, seed, val_transforms(cfg), device)
+        return jpeg_datasets(train_source, val_source, cfg, seed, val_transforms(cfg), device, topology())
     return cached_datasets(train_source, val_source, cfg, seed, val_transforms(cfg))
 
 

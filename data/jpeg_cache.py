@@ -11,18 +11,20 @@ holds: the same crop boxes at any number of processes, and exact mid-epoch resum
 
 A file is named by what it holds (split, stored size, and a fingerprint of the images: their paths, labels, sizes
 and modification times), so runs and recipes with the same bound reuse it and a changed dataset gets a new one. It
-is written by one process per machine while the others wait, by a thread per core, under a temporary name renamed
-once complete, and checked on every open (its size, image count and a CRC of its index): a truncated or stale file
-is rebuilt, never read.
+is written by one machine's processes (one machine for a shared disk) while the others wait, by a thread per core,
+under a temporary name renamed once complete, and checked on every open (its size, image count and a CRC of its
+index): a truncated or stale file is rebuilt, never read.
 
-Every process on a machine writes its file: they claim chunks of images from a counter in the job's store, encode
-them by a thread pool each (PIL decodes, resizes and encodes without the GIL) and write each chunk's bytes with
-os.pwrite at a region claimed from another counter, in one temporary file; local rank 0 gathers the index rows,
+Every process of the writing machine writes the file: they claim chunks of images from a counter in the job's store,
+encode them by a thread pool each (PIL decodes, resizes and encodes without the GIL) and write each chunk's bytes
+with os.pwrite at a region claimed from another counter, in one temporary file; local rank 0 gathers the index rows,
 writes index, header and footer, flushes and renames it (utils/once.commit: durably). Processes wait on the writers'
 progress (utils/once.py), never on a clock or in a collective, and none goes on before every machine's file is
-complete. Each machine writes its own file under a temporary name of its own (utils/once.temporary: local rank 0's
-host and pid), on a shared disk or not; a start first removes the temporary files of writers that are gone
-(clean_leftovers), and a stop signal while writing or waiting ends the process at once, its temporary removed.
+complete. Machines that share the file's directory (a shared disk: each sees the others' markers there, utils/once.
+first_machine_sharing) leave it to the lowest-numbered of them and wait on its progress; a machine whose directory
+is its own writes its own. A file is written under a temporary name of its writer's (utils/once.temporary: local
+rank 0's host and pid); a start first removes the temporary files of writers that are gone (clean_leftovers), and a
+stop signal while writing or waiting ends the process at once, its temporary removed.
 
 The file checked is the one read: opened once when checked (DataLoader workers inherit the descriptor), so a file
 later renamed over its path changes nothing. Images are read by positioned reads (os.preadv), not a memory mapping:
@@ -53,12 +55,10 @@ from tqdm import tqdm
 
 from data.cache import decode_crop, packed, seeded_crops, store_side, store_transform
 from data.transforms import crop_spec
-from utils.distributed import job_store
-from utils.general import (LOCAL_RANK, LOCAL_WORLD_SIZE, LOGGER, RANK, WORLD_SIZE, DatasetError, ImageError, colorstr,
-                           cpu_count, short_path)
+from utils.general import LOGGER, DatasetError, ImageError, colorstr, cpu_count, short_path
 from utils.memory import size_text
-from utils.once import (clean_leftovers, commit, done, finished, local_store, made, progress, stop_on_signals,
-                        temporary, wait_for, writing)
+from utils.once import (clean_leftovers, commit, done, finished, first_machine_sharing, local_store, made, progress,
+                        stop_on_signals, temporary, wait_for, writing)
 
 QUALITY = 90  # JPEG quality of stored training images (FFCV's and DALI's usual)
 FULL_CHROMA_BELOW = 64  # images with a shorter side below this keep full-resolution colour (4:4:4), larger ones 4:2:0
@@ -165,16 +165,17 @@ class JpegImages(torch.utils.data.Dataset):
         return len(self.targets)
 
 
-def jpeg_datasets(train_source, val_source, cfg, seed, val_transform, device):
+def jpeg_datasets(train_source, val_source, cfg, seed, val_transform, device, topology):
     """data.cache=jpeg: the training and validation sets as JpegImages over their cache files, each written first
-    where missing or unusable (one process per machine writes, the others wait)."""
+    where missing or unusable by the processes of one machine while the others wait (topology: this process's place
+    in the job, utils/distributed.Topology)."""
     spec, on_device = crop_spec(cfg), decodes_on_device(cfg, device)
     train_form = {"raw": False, "side": spec.size if spec.padding else store_side(spec), "padded": spec.padding > 0,
                   "quality": QUALITY}
     val_form = {"raw": True, "transform": repr(val_transform)}
-    train_set = JpegImages(train_source, *cache(train_source, "train", train_form, store_transform(spec), cfg),
-                           spec, seed, on_device)
-    val_set = JpegImages(val_source, *cache(val_source, "val", val_form, val_transform, cfg))
+    train_set = JpegImages(train_source, *cache(train_source, "train", train_form, store_transform(spec), cfg,
+                                                topology), spec, seed, on_device)
+    val_set = JpegImages(val_source, *cache(val_source, "val", val_form, val_transform, cfg, topology))
     where = "on the training device" if on_device else "in the DataLoader workers"
     LOGGER.info(f"{colorstr('data:')} JPEG cache {short_path(train_set.path)} ({len(train_set)} images, "
                 f"{size_text(train_set.nbytes)}, decoded {where}) and {short_path(val_set.path)} ({len(val_set)} "
@@ -182,21 +183,26 @@ def jpeg_datasets(train_source, val_source, cfg, seed, val_transform, device):
     return train_set, val_set
 
 
-def cache(source, role, form, transform, cfg):
+def cache(source, role, form, transform, cfg, topology):
     """(path, header, index, mapped) of source's cache file for role (train or val) in form, written first where
-    missing or unusable by every process on the machine; returns once every machine's file is complete."""
-    store, machines = job_store() or local_store(), max(1, WORLD_SIZE // LOCAL_WORLD_SIZE)
+    missing or unusable by every process of the one machine that writes it (the lowest-numbered of those that share
+    its directory); returns once every machine's file is complete."""
+    store, machine, machines = topology.store or local_store(), topology.machine, topology.machines
     job = f"jpeg/{next(CALLS)}/{role}"  # every machine's progress, and the first failure
-    work = f"{job}/machine{RANK // LOCAL_WORLD_SIZE}"
+    work = f"{job}/machine{machine}"
     with stop_on_signals(f"writing the {role} JPEG cache"):
-        if LOCAL_RANK == 0:
-            path, tmp = plan(source, role, form, cfg.cache_dir, store, job, work)
+        if topology.local_rank == 0:
+            path, tmp, writer = plan(source, role, form, cfg.cache_dir, store, job, work, topology)
         else:
             wait_for(store, f"{work}/plan", f"waiting for local rank 0 to list the {role} images")
-            path, tmp = (Path(p) if p else None for p in json.loads(store.get(f"{work}/path")))
+            path, tmp, writer = json.loads(store.get(f"{work}/path"))
+            path, tmp = Path(path), tmp and Path(tmp)
         if tmp is not None:
-            write_shared(source, path, tmp, form, transform, store, job, work)
-        if LOCAL_RANK == 0:
+            write_shared(source, path, tmp, form, transform, store, job, work, topology)
+        elif writer != machine:  # a disk shared with that machine, which writes the file
+            wait_for(store, f"{job}/machine{writer}", f"waiting for machine {writer} to write {path}")
+        if topology.local_rank == 0:
+            done(store, work)  # this machine's file is complete, for the machines that share it
             store.add(f"{job}/machines", 1)
         wait_for(store, job, f"waiting for every machine's {role} cache file",
                  until=lambda: store.add(f"{job}/machines", 0) == machines)
@@ -206,36 +212,49 @@ def cache(source, role, form, transform, cfg):
         raise DatasetError(f"data.cache=jpeg: {path} is unusable after it was written ({e})") from None
 
 
-def plan(source, role, form, cache_dir, store, job, work):
-    """(path, temporary file or None) of source's cache file, as local rank 0 finds it (listing the images for their
-    fingerprint, with progress) and tells the machine's other processes; the temporary file is created empty, for
-    every process to write into, where the file is missing or unusable, after the temporary files of writers that
-    are gone are removed."""
+def plan(source, role, form, cache_dir, store, job, work, topology):
+    """(path, temporary file or None, the machine that writes path) of source's cache file, as local rank 0 finds it
+    (listing the images for their fingerprint, with progress) and tells the machine's other processes. Of the
+    machines that share path's directory, the lowest-numbered writes it (utils/once.first_machine_sharing); there,
+    the temporary file is created empty, for every process to write into, where the file is missing or unusable,
+    after the temporary files of writers that are gone are removed."""
     try:
-        for key in (f"{work}/plan", work):
+        for key in (f"{work}/plan", work, job):
             writing(store, key)
         path, tmp = cache_path(source, role, form, cache_dir, lambda n: (made(store, f"{work}/plan", n),
                                                                          made(store, job, n))), None
-        try:
-            open_cache(path, len(source))
-        except StaleCache as e:
-            if path.exists():
-                LOGGER.warning(f"data.cache=jpeg: rewriting {short_path(path)}: {e}")
-            tmp = temporary(path)
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                for leftover in clean_leftovers(path):
-                    LOGGER.info(f"{colorstr('data:')} removed {short_path(leftover)}, left by a writer that is gone")
-                open(tmp, "wb").close()  # empty: this process's own, from an earlier start in it, is written anew
-            except OSError as e:
-                raise write_error(path, e) from None
-        store.set(f"{work}/path", json.dumps([str(path), str(tmp) if tmp else None]))
+        machine, machines = topology.machine, topology.machines
+        writer = machine if machines == 1 else first_machine_sharing(
+            path, store, job, machine, machines, f"waiting for every machine to list the {role} images")
+        if writer == machine:
+            tmp = begin_writing(path, len(source))
+        store.set(f"{work}/path", json.dumps([str(path), str(tmp) if tmp else None, writer]))
         done(store, f"{work}/plan")
-        return path, tmp
-    except BaseException as e:  # a stop signal's too: the waiters stop at once
-        for key in (f"{work}/plan", job):
+        return path, tmp, writer
+    except BaseException as e:  # a stop signal's too: the waiters stop at once (machines sharing its file too)
+        for key in (f"{work}/plan", work, job):
             done(store, key, e)
         raise
+
+
+def begin_writing(path, count):
+    """None where path is a complete cache file of count images; else its temporary file, created empty for every
+    local process to write into, after the temporary files of writers that are gone are removed."""
+    try:
+        open_cache(path, count)
+        return None
+    except StaleCache as e:
+        if path.exists():
+            LOGGER.warning(f"data.cache=jpeg: rewriting {short_path(path)}: {e}")
+    tmp = temporary(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for leftover in clean_leftovers(path):
+            LOGGER.info(f"{colorstr('data:')} removed {short_path(leftover)}, left by a writer that is gone")
+        open(tmp, "wb").close()  # empty: this process's own, from an earlier start in it, is written anew
+    except OSError as e:
+        raise write_error(path, e) from None
+    return tmp
 
 
 def cache_path(source, role, form, cache_dir="", tick=lambda n: None):
@@ -336,22 +355,24 @@ def check_rows(index, index_at, header):
                              f"{c * heights[i] * widths[i]}")
 
 
-def chunk_size(count):
-    """Images per claimed chunk: at most CHUNK, and small enough that every local process gets some."""
-    return max(1, min(CHUNK, count // (4 * LOCAL_WORLD_SIZE)))
+def chunk_size(count, processes):
+    """Images per claimed chunk: at most CHUNK, and small enough that each of the machine's processes gets some."""
+    return max(1, min(CHUNK, count // (4 * processes)))
 
 
-def write_shared(source, path, tmp, form, transform, store, job, work):
+def write_shared(source, path, tmp, form, transform, store, job, work, topology):
     """Write source's images into tmp with the machine's other processes (see the module's docstring); local rank 0
     then completes it as path (finish_file). Any failure is recorded for every waiter and leaves no tmp."""
     try:
-        rows = encode_chunks(source, path, tmp, form, transform, store, job, work)
-        store.set(f"{work}/rows/{LOCAL_RANK}", rows.tobytes())
+        for key in (work, job):  # every process on the machine writes: a waiter watches each one
+            writing(store, key)
+        rows = encode_chunks(source, path, tmp, form, transform, store, job, work, topology)
+        store.set(f"{work}/rows/{topology.local_rank}", rows.tobytes())
         store.add(f"{work}/posted", 1)
-        if LOCAL_RANK == 0:
+        if topology.local_rank == 0:
             wait_for(store, work, f"waiting for the local ranks writing {path}", total=len(source),
-                     until=lambda: store.add(f"{work}/posted", 0) == LOCAL_WORLD_SIZE)
-            finish_file(source, path, tmp, form, store, work)
+                     until=lambda: store.add(f"{work}/posted", 0) == topology.local_world_size)
+            finish_file(source, path, tmp, form, store, work, topology.local_world_size)
             done(store, work)
         else:
             wait_for(store, work, f"waiting for local rank 0 to write {path}")
@@ -360,17 +381,18 @@ def write_shared(source, path, tmp, form, transform, store, job, work):
             done(store, key, e)
         raise
     finally:
-        if LOCAL_RANK == 0 and tmp.exists():  # after an error; renamed otherwise
+        if topology.local_rank == 0 and tmp.exists():  # after an error; renamed otherwise
             tmp.unlink()
 
 
 ROW = np.dtype([("image", "<i8"), ("channels", "<i4"), ("row", INDEX_DTYPE)])  # a row, its image and channels
 
 
-def encode_chunks(source, path, tmp, form, transform, store, job, work):
+def encode_chunks(source, path, tmp, form, transform, store, job, work, topology):
     """ROW array of the images this process encoded into tmp: chunks claimed until none is left, each read and
     encoded by a thread pool (the next chunk's images read while this one's are written)."""
-    encode, count, size = raw_pixels if form["raw"] else jpeg_bytes, len(source), chunk_size(len(source))
+    encode, count = raw_pixels if form["raw"] else jpeg_bytes, len(source)
+    size = chunk_size(count, topology.local_world_size)
 
     def store_one(i):
         image, target = source[i]
@@ -382,12 +404,13 @@ def encode_chunks(source, path, tmp, form, transform, store, job, work):
         start = (store.add(f"{work}/chunks", 1) - 1) * size
         return [pool.submit(store_one, i) for i in range(start, min(start + size, count))]
     rows, pending = [], deque()
-    bar = tqdm(total=count, desc=f"writing {short_path(path)}", unit="img", leave=False, disable=RANK != 0)
+    bar = tqdm(total=count, desc=f"writing {short_path(path)}", unit="img", leave=False,
+               disable=topology.rank != 0)
     try:
         fd = os.open(tmp, os.O_WRONLY)
     except OSError as e:
         raise write_error(path, e) from None
-    with ThreadPoolExecutor(max(1, cpu_count() // LOCAL_WORLD_SIZE)) as pool, bar:
+    with ThreadPoolExecutor(max(1, cpu_count() // topology.local_world_size)) as pool, bar:
         try:
             pending.extend(chunk for chunk in (claim(pool), claim(pool)) if chunk)
             while pending:
@@ -421,10 +444,10 @@ def write_chunk(fd, encoded, store, work):
     return rows
 
 
-def finish_file(source, path, tmp, form, store, work):
-    """Local rank 0: gather every local process's index rows, write index, header and footer after the images,
+def finish_file(source, path, tmp, form, store, work, processes):
+    """Local rank 0: gather the index rows of the machine's processes, write index, header and footer after the images,
     and make tmp path (utils/once.commit: flushed, renamed, the rename flushed)."""
-    parts = [np.frombuffer(store.get(f"{work}/rows/{r}"), ROW) for r in range(LOCAL_WORLD_SIZE)]
+    parts = [np.frombuffer(store.get(f"{work}/rows/{r}"), ROW) for r in range(processes)]
     rows = np.concatenate(parts)
     index = np.zeros(len(source), INDEX_DTYPE)
     index[rows["image"]] = rows["row"]

@@ -1,6 +1,6 @@
 """Run train.py with a fault injected at an exact point, for tests of what survives it.
 
-    python tests/faults.py FAULT train.py ARGS...           (or as the script torchrun launches)
+    python tests/faults.py FAULT[,FAULT...] train.py ARGS...           (or as the script torchrun launches)
 
 FAULT, where K counts rank 0's saves of weights/last.pt and S the training steps this process has voted on since
 it started (1-based; see StopVote):
@@ -14,6 +14,14 @@ it started (1-based; see StopVote):
     kill-rank-at-step:S:R    on torchrun's first attempt only, rank R SIGKILLs itself during step S
     nan-loss-at-step:S:R     rank R's training loss is nan in its S-th step
     low-memory-on-rank:R:MB  rank R's machine seems to have MB MiB of memory available, and no cgroup limit
+    kill-in-jpeg-cache:R     rank R SIGKILLs itself as it writes its first images into its JPEG cache file
+    hang-in-jpeg-cache:R     rank R hangs (alive) as it writes its first images into its JPEG cache file
+    as-host:NAME             this torchrun agent's ranks name their machine NAME, as ranks on another machine do
+    fail-while-others-wait:R rank R meets a usage error on joining the process group, while every other rank waits
+                             there for ever, as in a GPU collective that a rank which left never breaks (gloo's do)
+    slow-to-say-on-rank:R:S  rank R takes S seconds more between recording its error and saying it, as under load
+
+Several faults can be given at once, separated by commas.
 """
 
 import errno
@@ -22,16 +30,21 @@ import runpy
 import signal
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+import data.jpeg_cache  # noqa: E402
 import utils.checkpoint  # noqa: E402
+import utils.distributed  # noqa: E402
 import utils.memory  # noqa: E402
+import utils.once  # noqa: E402
 import utils.stopping  # noqa: E402
-from utils.general import RANK, RESTART_COUNT  # noqa: E402
+from utils.general import RANK, RESTART_COUNT, UsageError  # noqa: E402
 
 counts = {"save": 0, "step": 0}
 
@@ -72,20 +85,20 @@ def save_then_killpg(original, state, path):
 
 
 def killpg_before_rename(original, state, path):
-    utils.checkpoint.os.replace = lambda *a: killpg()  # the temporary file is complete; the rename never happens
+    utils.once.os.replace = lambda *a: killpg()  # the temporary file is complete; the rename never happens
     original(state, path)
 
 
 def fail_with_enospc(original, state, path):
-    real_fsync = utils.checkpoint.os.fsync
+    real_fsync = utils.once.os.fsync
 
     def fsync(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    utils.checkpoint.os.fsync = fsync
+    utils.once.os.fsync = fsync
     try:
         original(state, path)
     finally:
-        utils.checkpoint.os.fsync = real_fsync
+        utils.once.os.fsync = real_fsync
 
 
 def send_signal(name):
@@ -121,14 +134,59 @@ def low_memory_on_rank(rank, mib):
         utils.memory.memory_budget.__defaults__ = (str(meminfo), "/nonexistent", "/nonexistent", None)
 
 
+def in_jpeg_cache_write(action):
+    """Run action() on rank R as it writes its first images into its JPEG cache file (write_chunk)."""
+    def wrap(rank):
+        original = data.jpeg_cache.write_chunk
+
+        def write_chunk(*args):
+            if RANK == int(rank):
+                action()
+            return original(*args)
+        data.jpeg_cache.write_chunk = write_chunk
+    return wrap
+
+
+def hang():
+    time.sleep(10**6)  # in the main thread: torchrun's SIGTERM still ends it (utils/once.stop_on_signals)
+
+
+def as_host(name):
+    utils.once.HOST = utils.distributed.HOST = name
+
+
+def fail_while_others_wait(rank):
+    original = utils.distributed.setup_distributed
+
+    def setup_distributed():
+        original()
+        if RANK == int(rank):
+            raise UsageError(f"injected: rank {rank} alone meets this")
+        threading.Event().wait()  # no timeout: only the process group's watch_failures can end this rank
+    utils.distributed.setup_distributed = setup_distributed
+
+
+def slow_to_say_on_rank(rank, seconds):
+    original = utils.distributed.record_failure
+
+    def record_failure(*args):
+        original(*args)
+        if RANK == int(rank):
+            time.sleep(float(seconds))
+    utils.distributed.record_failure = record_failure
+
+
 FAULTS = {"killpg-after-save": on_save(save_then_killpg), "killpg-in-save": on_save(killpg_before_rename),
           "enospc-in-save": on_save(fail_with_enospc), "signal-at-step": on_step(send_signal),
           "signal-torchrun-at-step": on_step(send_signal_to_torchrun),
           "kill-rank-at-step": on_step(kill_rank), "nan-loss-at-step": nan_loss_at_step,
-          "low-memory-on-rank": low_memory_on_rank}
+          "low-memory-on-rank": low_memory_on_rank, "kill-in-jpeg-cache": in_jpeg_cache_write(lambda: os.kill(
+              os.getpid(), signal.SIGKILL)), "hang-in-jpeg-cache": in_jpeg_cache_write(hang), "as-host": as_host,
+          "fail-while-others-wait": fail_while_others_wait, "slow-to-say-on-rank": slow_to_say_on_rank}
 
 if __name__ == "__main__":
-    name, *args = sys.argv[1].split(":")
-    FAULTS[name](*(int(a) if name.endswith("save") else a for a in args))
+    for fault in sys.argv[1].split(","):
+        name, *args = fault.split(":")
+        FAULTS[name](*(int(a) if name.endswith("save") else a for a in args))
     sys.argv = sys.argv[2:]
     runpy.run_path(sys.argv[0], run_name="__main__")

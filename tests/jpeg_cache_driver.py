@@ -20,7 +20,7 @@ import data.jpeg_cache  # noqa: E402
 from data.datasets import build_datasets  # noqa: E402
 from data.transforms import val_transforms  # noqa: E402
 from utils.config import load_recipe  # noqa: E402
-from utils.distributed import FAILURE_GRACE_S, cleanup_distributed, setup_distributed  # noqa: E402
+from utils.distributed import FAILURE_GRACE_S, cleanup_distributed, setup_distributed, topology  # noqa: E402
 from utils.general import RANK, ImageError  # noqa: E402
 
 
@@ -53,7 +53,7 @@ def main(root, cache, fault=None):
             inject(one)
         cfg = load_recipe("cls.yaml", ["data.cache=jpeg", f"data.cache_dir={cache}", "data.img_size=16"]).data
         train_set, val_set = data.jpeg_cache.jpeg_datasets(*build_datasets(root, None, None), cfg, 0,
-                                                           val_transforms(cfg), torch.device("cpu"))
+                                                           val_transforms(cfg), torch.device("cpu"), topology())
         if RANK == 0:
             with open(cache / "writers.txt", "w") as f:
                 for dataset in (train_set, val_set):

@@ -168,6 +168,69 @@ def documented_commands():
     return found
 
 
+NUMBER = r"\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?(?: (?:B|KiB|MiB|GiB)\b)?"  # with a size's unit, which scales
+# Where a documented output line may differ from a scratch project's, each (the part as the README shows it, what
+# the scratch project may print there): the data's paths; exp's number (the scratch project holds a stopped run
+# as runs/train/exp, so a new run is exp2); an epoch in the singular; top-5, shown with 5 classes or more (the
+# scratch data has 2); why the threads and workers (the scratch runs set data.workers); the stored size, when the
+# tiny images were resized; the images and contact sheet --save-images adds to predict.py's files.
+OUTPUT_PLACES = [(r"datasets/digits(?:/val)?", r"\S+"), (r"/exp\b", r"/exp\d*"), (r"epochs in", r"epochs? in"),
+                 (rf" +top-?5 {NUMBER}%", rf"(?: +top-?5 {NUMBER}%)?"), (r" \(auto: [^)]*\)", r" \([^)]*\)"),
+                 (r" per train image", r" per train image(?: \([^)]*\))?"),
+                 (r"predictions\.json$", r"predictions\.json(?:, .*)?")]
+OUTPUT_NOT_RUN = {"export.py": "no command of RUN runs it"}
+
+
+def documented_outputs():
+    """{command: the lines README.md shows it printing}: a plain ``` block right after a paragraph that ends 'It
+    prints:' holds the output of the last command in that paragraph; in a block of `$ command` lines, each command's
+    lines follow it ('...' lines, which stand for more of the same, dropped)."""
+    outputs, paragraph, fence, ended = {}, [], None, False
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if fence is None and line.startswith("```"):
+            fence, block = line, []
+        elif fence is not None and line == "```":
+            if fence == "```" and block and block[0].startswith("$ "):
+                for entry in block:
+                    if entry.startswith("$ "):
+                        command = outputs.setdefault(entry[2:], [])
+                    else:
+                        command.append(entry)
+            elif fence == "```" and " ".join(paragraph).endswith("It prints:"):
+                outputs[re.findall(rf"`({COMMAND}[^`]*)`", " ".join(paragraph))[-1]] = block
+            fence, paragraph = None, []
+        elif fence is not None:
+            block.append(line)
+        elif line.strip():  # a line of the paragraph before the next block, or the first of a new one
+            paragraph, ended = [*([] if ended else paragraph), line], False
+        else:
+            ended = True
+    return {command: [line for line in lines if line.strip() not in ("", "...")]
+            for command, lines in outputs.items()}
+
+
+def output_shape(line):
+    """A documented output line as a pattern: its words as they are, any number where it shows one, and what the
+    scratch project may print in OUTPUT_PLACES."""
+    places = "|".join(f"(?P<p{i}>{documented})" for i, (documented, _) in enumerate(OUTPUT_PLACES))
+    pattern, end = "", 0
+    for match in re.finditer(f"{places}|(?P<number>{NUMBER})", line):
+        kind = match.lastgroup
+        place = NUMBER if kind == "number" else OUTPUT_PLACES[int(kind[1:])][1]
+        pattern += re.escape(line[end:match.start()]) + place
+        end = match.end()
+    return pattern + re.escape(line[end:])
+
+
+def documented_run(command):
+    """The command of RUN whose output shows what command's documented output does: itself, or the first of the
+    same script on the same weights (predict.py's documented options are not run: they print the same lines)."""
+    if command in RUN:
+        return command
+    script, weights = re.search(r"\S+\.py", command)[0], re.search(r"--weights \S+", command)
+    return next((run for run in RUN if script in run and weights and weights[0] in run), None)
+
+
 def shortened(command):
     """The command with its placeholders stood in for, and the overrides that make it quick appended."""
     for placeholder, stand_in in STAND_INS:
@@ -261,6 +324,18 @@ def test_every_runnable_documented_command_runs_as_typed(scratch, tmp_path):
     failed = [f"{command}\nexit {r.returncode}\n{r.stdout[-1500:]}\n{r.stderr[-3000:]}" for command, r in results
               if r.returncode != 0]
     assert not failed, f"{len(failed)} of {len(RUNS)} documented commands failed:\n\n" + "\n\n".join(failed)
+    # What the README shows them print, they print, in shape.
+    printed = {command: re.sub(r"\x1b\[[0-9;]*m", "", r.stdout + r.stderr).splitlines() for command, r in results}
+    outputs, unlike = documented_outputs(), []
+    assert outputs, "README.md shows no command's output"
+    for documented, lines in outputs.items():
+        run = documented_run(documented)
+        if run is None:
+            assert re.search(r"\S+\.py", documented)[0] in OUTPUT_NOT_RUN, f"{documented}: no run shows its output"
+            continue
+        unlike += [f"{documented}\n    {line}" for line in lines
+                   if not any(re.fullmatch(output_shape(line), out) for out in printed[shortened(run)])]
+    assert not unlike, "documented output lines no run printed (in shape):\n" + "\n".join(unlike)
 
 
 @pytest.mark.parametrize("command", NOT_RUN)

@@ -19,6 +19,7 @@ from data.transforms import crop_spec, val_transforms
 from test_cache import SIZES, data_cfg, ramp_folder
 from utils.checkpoint import load_checkpoint
 from utils.config import load_recipe
+from utils.distributed import topology
 from utils.precision import autocast_dtype
 from utils.stopping import StopVote
 from utils.torch_utils import de_parallel
@@ -109,7 +110,8 @@ def test_gpu_decoding_of_the_jpeg_cache_matches_the_cpus(tmp_path):
     ramp_folder(tmp_path / "data", SIZES)
     shutil.copytree(tmp_path / "data" / "train", tmp_path / "data" / "val")
     cfg = data_cfg(img_size=16, scale=[0.25, 1.0], hflip=0.5, cache="jpeg", cache_dir=str(tmp_path / "cache"))
-    train_set, _ = jpeg_datasets(*build_datasets(tmp_path / "data", None, None), cfg, 3, val_transforms(cfg), GPU)
+    train_set, _ = jpeg_datasets(*build_datasets(tmp_path / "data", None, None), cfg, 3, val_transforms(cfg), GPU,
+                                 topology())
     batch = train_set.__getitems__(range(len(SIZES)))
     assert isinstance(batch[0], tuple)  # packed bytes: auto decodes on the GPU
     on_gpu = batch_to(batch, GPU, crop_spec(cfg))[0]

@@ -23,8 +23,10 @@ from data.datasets import build_datasets
 from data.jpeg_cache import FOOTER, INDEX_DTYPE, StaleCache, jpeg_datasets, open_cache, read_at
 from data.transforms import crop_spec, val_transforms
 from test_cache import SIZES, data_cfg, per_image_epoch
+from test_rank_errors import RECIPE, two_nodes
 from utils.checkpoint import load_checkpoint
 from utils.config import RecipeError, load_recipe
+from utils.distributed import topology
 from utils.general import DatasetError, ImageError
 
 CPU = torch.device("cpu")
@@ -49,7 +51,7 @@ def root(tmp_path):
 
 
 def jpeg_sets(root, cfg, device=CPU):
-    return jpeg_datasets(*build_datasets(root, None, None), cfg, 3, val_transforms(cfg), device)
+    return jpeg_datasets(*build_datasets(root, None, None), cfg, 3, val_transforms(cfg), device, topology())
 
 
 def cache_files(folder):
@@ -279,8 +281,8 @@ def test_a_waiting_rank_stops_with_one_line_when_the_writer_makes_no_progress(ro
     monkeypatch.setenv("CLS_STALL_SECONDS", "1")
     result, _ = run_driver(root, tmp_path / "cache", "hang:0", timeout=120)  # a stall never noticed times out
     assert result.returncode != 0
-    assert re.search(r"Stalled: rank 1 on \S+: waiting for local rank 0 to write \S+train\S+\.jpegcache by rank 0 on "
-                     r"\S+ \(pid \d+\) made no progress for 1 s \(at \d+\); stopped waiting", result.stderr), \
+    assert re.search(r"Stalled: rank 1 on \S+: stopped waiting for local rank 0 to write \S+train\S+\.jpegcache: "
+                     r"rank 0 on \S+ \(pid \d+\) made no progress for 1 s \(at \d+\)\n", result.stderr), \
         result.stderr[-3000:]
 
 
@@ -334,6 +336,23 @@ def test_sigterm_while_the_cache_is_written_stops_at_once_leaving_no_file(root, 
     assert writer.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert "SIGTERM: stopped while writing the train JPEG cache; nothing was saved" in stderr
     assert cache_files(cache) == []  # neither the file, which the write would have completed, nor its temporary
+
+
+def test_machines_sharing_a_cache_dir_leave_its_files_to_one_writer_and_both_train_on_them(image_folder, tmp_path):
+    data = image_folder({"train": {"a": 6, "b": 6}, "val": {"a": 2, "b": 2}})
+    cache = tmp_path / "shared-disk"
+    # One process a node, node 1's named node-b as on another machine; its rank 1 SIGKILLs itself if it encodes an
+    # image: both train only if node 0 alone writes each file.
+    (code0, out0), (code1, out1) = two_nodes(
+        tmp_path, [*RECIPE, f"data.name={data}", "data.cache=jpeg", f"data.cache_dir={cache}"], [],
+        "as-host:node-b,kill-in-jpeg-cache:1", nproc=1, timeout=120)
+    assert code0 == 0 and code1 == 0, out0[-3000:] + out1[-3000:]
+    assert re.findall(r"wrote \S+\.jpegcache: (\d+) images, .*, encoded by 1 processes", out0) == ["12", "4"], out0
+    files = sorted(path.name for path in cache.iterdir())  # no marker or temporary file left
+    assert len(files) == 2 and all(name.endswith(".jpegcache") for name in files), files
+    for name in files:
+        count = 12 if "-train-" in name else 4
+        assert open_cache(cache / name, count)[0]["writers"] == [count]  # whole: its footer and index check out
 
 
 def test_a_jpeg_cache_run_stopped_mid_epoch_resumes_bit_identical_and_val_py_agrees(image_folder, tmp_path):

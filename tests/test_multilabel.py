@@ -10,6 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
+from sklearn.metrics import (accuracy_score, average_precision_score, f1_score, precision_recall_curve,
+                             precision_score, recall_score)
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -132,11 +134,16 @@ def test_the_ram_cache_holds_the_same_labels_and_positive_weights(tmp_path):
     from data.cache import RamImages
     from data.layouts import csv_datasets
 
-    train_set, _ = csv_datasets(write_multilabel(tmp_path / "data"), None, None, decode)
+    root = write_multilabel(tmp_path / "data")
+    train_set, _ = csv_datasets(root, None, None, decode)
     cached = RamImages(train_set, budget=None)
-    assert torch.equal(cached.__getitems__(range(37))[1], torch.stack([train_set[i][1] for i in range(37)]))
-    assert torch.equal(positive_weights(cached), positive_weights(train_set))
-    assert positive_weights(train_set).tolist() != [1.0] * 3
+    with open(root / "train.csv") as f:  # counted from the CSV itself
+        listed = [row["labels"].split("|") for row in csv.DictReader(f)]
+    hot = torch.tensor([[name in labels for name in CLASSES] for labels in listed], dtype=torch.uint8)
+    assert torch.equal(cached.__getitems__(range(37))[1], hot)
+    positives = hot.sum(0).tolist()
+    assert 0 < min(positives) and max(positives) < 37
+    assert positive_weights(cached).tolist() == pytest.approx([(37 - p) / p for p in positives])
 
 
 def test_positive_weights_are_negatives_over_positives():
@@ -374,15 +381,25 @@ def test_a_stopped_multilabel_run_resumes_to_bit_identical_weights_metrics_and_t
     assert rows[0] == rows[1] and len(rows[0]) == 2 and rows[0][0]["val/ema_map"] != ""
 
 
-def test_tensorboard_holds_map_per_class_ap_and_pr_curves_and_results_png_is_drawn(resumed):
-    _, run, _ = resumed
+def test_tensorboard_holds_results_csv_each_classs_ap_and_pr_curves_and_results_png_is_drawn(resumed):
+    data, run, _ = resumed
     events = EventAccumulator(str(run), size_guidance={"scalars": 0, "tensors": 0}).Reload()
     tags = events.Tags()
-    steps = [e.step for e in events.Scalars("val/map")]
-    assert steps == [4, 8]  # each epoch's end
-    assert {"val/f1", "val/exact_match", "val_ema/map", "val_ap/red sky"} <= set(tags["scalars"])
     _, rows = read_results(run)
-    assert [round(e.value, 5) for e in events.Scalars("val/map")] == [round(float(r["val/map"]), 5) for r in rows]
+    renamed = {"val/ema_loss": "val_ema/loss", "val/ema_map": "val_ema/map", "val/ema_f1": "val_ema/f1",
+               "lr/pg0": "x/lr", "time/epoch": "x/epoch_time", "time/img_s": "x/img_s"}
+    for column in list(rows[0])[1:]:  # every column but the epoch, at each epoch's end
+        logged = events.Scalars(renamed.get(column, column))
+        assert [e.step for e in logged] == [4, 8], column
+        assert [e.value for e in logged] == pytest.approx([float(r[column]) for r in rows], rel=1e-5), column
+    # The last epoch's AP of each class: scikit-learn's, from last.pt's probabilities of the val images.
+    with open(data / "val.csv") as f:
+        listed = list(csv.DictReader(f))
+    probs = forward_logits(run / "weights" / "last.pt", [data / r["path"] for r in listed]).sigmoid().numpy()
+    targets = np.array([[name in r["labels"].split("|") for name in CLASSES] for r in listed])
+    ap = [events.Scalars(f"val_ap/{name}")[-1].value for name in CLASSES]
+    assert ap == pytest.approx([average_precision_score(targets[:, c], probs[:, c]) for c in range(3)], abs=1e-5)
+    assert np.mean(ap) == pytest.approx(float(rows[-1]["val/map"]), abs=1e-5)
     assert {f"val_pr/{name}" for name in CLASSES} <= set(tags["tensors"])
     curve = events.Tensors("val_pr/red sky")[-1].tensor_proto  # (6, thresholds): TP, FP, TN, FN, precision, recall
     assert curve.tensor_shape.dim[0].size == 6
@@ -396,6 +413,30 @@ def read_probabilities(path):
     with open(path, newline="") as f:
         header, *rows = list(csv.reader(f))
     return header, rows
+
+
+def check_against_sklearn(folder, probs, targets, thresholds):
+    """folder's metrics.json and per_class.csv (val.py's) hold scikit-learn's figures for probs at thresholds."""
+    predicted = probs >= np.array(thresholds)
+    saved = json.loads((folder / "metrics.json").read_text())
+    expected = {"map": average_precision_score(targets, probs, average="macro"),
+                "exact_match": accuracy_score(targets, predicted)}
+    for name, score in (("f1", f1_score), ("precision", precision_score), ("recall", recall_score)):
+        expected[name] = score(targets, predicted, average="macro", zero_division=0)
+    assert {k: saved[k] for k in expected} == pytest.approx(expected, abs=1e-6), folder.name
+    with open(folder / "per_class.csv") as f:
+        per_class = list(csv.DictReader(f))
+    assert [r["class"] for r in per_class] == CLASSES
+    assert [int(r["support"]) for r in per_class] == targets.sum(0).tolist()
+    for key, score in (("ap", average_precision_score), ("f1", f1_score), ("precision", precision_score),
+                       ("recall", recall_score)):
+        kwargs = {} if key == "ap" else {"zero_division": np.nan}  # a precision of no predictions: blank
+        inputs = probs if key == "ap" else predicted
+        expected = [score(targets[:, c], inputs[:, c], **kwargs) for c in range(len(CLASSES))]
+        if key == "f1":  # F1 is 0 where precision is undefined and recall 0
+            expected = np.nan_to_num(expected).tolist()
+        written = [float(r[key]) if r[key] else np.nan for r in per_class]
+        assert written == pytest.approx(expected, abs=1e-5, nan_ok=True), (folder.name, key)
 
 
 def test_val_py_reproduces_training_at_train_threshold_and_counts_each_image_once_at_two_processes(resumed, tmp_path,
@@ -420,21 +461,26 @@ def test_val_py_reproduces_training_at_train_threshold_and_counts_each_image_onc
     expected = forward_logits(weights, [r[0] for r in table]).sigmoid()
     assert torch.allclose(torch.tensor([[float(p) for p in r[2:]] for r in table]), expected, atol=1e-6)
     log.clear()
-    chosen = val.main(["--weights", str(weights), "--threshold", "saved", "--project", str(tmp_path), "--name", "b"])
+    val.main(["--weights", str(weights), "--threshold", "saved", "--project", str(tmp_path), "--name", "b"])
     saved_from = ("per class, as saved by train.py (each maximised its class's F1 on val): chosen on these same "
                   "images, so the figures at them are optimistic")
     assert f"at thresholds {saved_from}" in log.text
     check_metrics_json(tmp_path / "b", log.text, {**details, "thresholds": saved_from})
-    expected = multilabel_metrics(chosen["probs"].numpy(), chosen["targets"].numpy(), ckpt["thresholds"])
-    assert chosen["val/f1"] == expected["val/f1"] and chosen["val/f1"] >= default["val/f1"]
-    assert [r[5] for r in chosen["per_class"]] == pytest.approx(ckpt["thresholds"])  # chosen on this same split
+    # The figures val.py saved, recomputed by scikit-learn from the probabilities it saved: at 0.5, and at the
+    # saved thresholds, each of which gives its class the highest F1 of any threshold.
+    probs = np.array([r[2:] for r in table], float)
+    targets = np.array([[name in r[1].split("|") for name in CLASSES] for r in table])
+    check_against_sklearn(tmp_path / "a", probs, targets, [0.5] * 3)
+    check_against_sklearn(tmp_path / "b", probs, targets, ckpt["thresholds"])
+    for c, threshold in enumerate(ckpt["thresholds"]):
+        precision, recall, _ = precision_recall_curve(targets[:, c], probs[:, c])
+        highest = np.max(2 * precision * recall / np.maximum(precision + recall, 1e-12))
+        assert f1_score(targets[:, c], probs[:, c] >= threshold) == pytest.approx(highest), CLASSES[c]
+        for nudge in (-1e-6, 1e-6):  # a threshold between scores: no label flips for a change in the 6th decimal
+            assert np.array_equal(probs[:, c] + nudge >= threshold, probs[:, c] >= threshold), CLASSES[c]
     best = run / "weights" / "best.pt"
     measured = val.main(["--weights", str(best), "--project", str(tmp_path), "--name", "best"])
     assert [r[5] for r in measured["per_class"]] == pytest.approx(load_checkpoint(best)["thresholds"])
-    with open(tmp_path / "b" / "per_class.csv") as f:
-        per_class = list(csv.DictReader(f))
-    assert [r["class"] for r in per_class] == CLASSES
-    assert [int(r["support"]) for r in per_class] == chosen["targets"].sum(0).tolist()
     result = run_torchrun("val.py", "--weights", weights, "--project", tmp_path, "--name", "two", "--save-probs",
                           nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]

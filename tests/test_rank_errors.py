@@ -3,11 +3,12 @@ that machine's console and on rank 0's; every other rank stops promptly with a l
 as two torchrun "nodes" on this machine (static rendezvous: node 1 holds ranks 2 and 3), as a job across two
 machines is."""
 
+import re
 import socket
 import subprocess
 import sys
 
-from conftest import ROOT, clean_env, make_image_folder
+from conftest import ROOT, clean_env, make_image_folder, run_torchrun
 from test_resume import free_port
 
 HOST = socket.gethostname()
@@ -15,19 +16,23 @@ RECIPE = ["--recipe", "cls.yaml", "train.epochs=1", "train.batch_size=4", "model
           "data.workers=0"]  # group norm: 4 processes of 1 image a step each
 
 
-def two_nodes(tmp_path, args, node1_args, node1_fault=None):
-    """train.py on two torchrun agents of two processes each (ranks 0-1 on node 0, 2-3 on node 1), node 1 with
-    node1_args added and run through tests/faults.py with node1_fault; [(exit code, output)] of each agent."""
+def two_nodes(tmp_path, args, node1_args, node1_fault=None, nproc=2, timeout=240):
+    """train.py on two torchrun agents of nproc processes each (with 2: ranks 0-1 on node 0, 2-3 on node 1), node 1
+    with node1_args added and run through tests/faults.py with node1_fault; [(exit code, output)] of each agent."""
     port = free_port()
     nodes = []
     for node in (0, 1):
         script = ["tests/faults.py", node1_fault, "train.py"] if node and node1_fault else ["train.py"]
         nodes.append(subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=2",
-             "--master-addr=127.0.0.1", f"--master-port={port}", *script, *args,
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+             f"--nproc_per_node={nproc}", "--master-addr=127.0.0.1", f"--master-port={port}", *script, *args,
              *(node1_args if node else []), f"project={tmp_path / 'runs'}"], cwd=ROOT, env=clean_env(),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    return [(node.wait(timeout=240), node.stdout.read()) for node in nodes]
+    try:
+        return [(node.wait(timeout=timeout), node.stdout.read()) for node in nodes]
+    finally:
+        for node in nodes:  # after a timeout, none is left running
+            node.kill()
 
 
 def error_lines(output):
@@ -71,3 +76,36 @@ def test_a_ram_cache_over_one_machines_budget_reaches_both_consoles(tmp_path):
     line = next(line for line in error_lines(out1) if "error" in line).split(f"on {HOST}: ", 1)[-1]
     assert line.startswith("data.cache=ram: ") and "more than this process's budget" in line, out1[-3000:]
     assert_reported(nodes, 3, line)
+
+
+def test_a_machine_whose_cache_writer_is_killed_is_named_by_the_other_machine_within_seconds(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLS_STALL_SECONDS", "600")  # what ends node 0 is rank 1's silence, not a stall
+    monkeypatch.setenv("CLS_LIVENESS_SECONDS", "5")
+    data = make_image_folder(tmp_path / "data", {"train": {"a": 6, "b": 6}, "val": {"a": 2, "b": 2}})
+    # One process a node; node 1's rank 1 names its machine node-b: its pid cannot be checked from node 0.
+    nodes = two_nodes(tmp_path, [*RECIPE, f"data.name={data}", "data.cache=jpeg", f"data.cache_dir={tmp_path / 'a'}"],
+                      [f"data.cache_dir={tmp_path / 'b'}"], "as-host:node-b,kill-in-jpeg-cache:1", nproc=1,
+                      timeout=120)  # node 0 waited 600 s before
+    (code0, out0), (code1, out1) = nodes
+    assert code0 != 0 and code1 != 0, out0[-3000:] + out1[-3000:]
+    line = (rf"train.py: rank 0 on {HOST}: stopped waiting for every machine's train cache file: rank 1 on node-b "
+            r"\(pid \d+\) has given no sign of life for 5 s \(killed, stopped, or its machine is gone\)")
+    # Said once on the console and once as torchrun's root cause: both name rank 1
+    assert len(re.findall(rf"{line}\n", out0)) == 2 and re.search(rf"traceback : {line}\n", out0), out0[-3000:]
+    assert "train.py: error:" not in out0  # rank 0 does not blame itself
+
+
+def test_a_hung_cache_writer_is_named_as_the_one_that_made_no_progress(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLS_STALL_SECONDS", "5")
+    data = make_image_folder(tmp_path / "data", {"train": {"a": 6, "b": 6}, "val": {"a": 2, "b": 2}})
+    # Rank 0 hangs, alive, at its first images (rank 1 might find no images left to claim, were it the one)
+    result = run_torchrun("tests/faults.py", "hang-in-jpeg-cache:0", "train.py", *RECIPE, f"data.name={data}",
+                          "data.cache=jpeg", f"data.cache_dir={tmp_path / 'cache'}", f"project={tmp_path / 'runs'}",
+                          timeout=120)
+    assert result.returncode != 0
+    line = (rf"train.py: rank 1 on {HOST}: stopped waiting for local rank 0 to write \S+train\S+\.jpegcache: "
+            rf"rank 0 on {HOST} \(pid \d+\) made no progress for 5 s \(at \d+\)")
+    # Said once on the console (after rank 0's progress bar, on its line) and once as torchrun's root cause
+    assert len(re.findall(rf"{line}\n", result.stderr)) == 2 and re.search(rf"traceback : {line}\n", result.stderr), \
+        result.stderr[-3000:]
+    assert "train.py: error:" not in result.stderr, result.stderr[-3000:]  # rank 1 does not blame itself

@@ -17,7 +17,9 @@ import torch
 from PIL import Image
 
 from conftest import closed_port, console_lines, http_server, read_results, run_python
-from data.shard_sets import ShardCache, open_shard_set
+from data.sampler import shard_permutation
+from data.shard_sets import ShardCache, TrainShards, open_shard_set
+from data.transforms import CropSpec
 from test_n_invariance import served_shards, write_images
 from utils.checkpoint import load_checkpoint
 
@@ -284,6 +286,37 @@ def test_the_node_cache_keeps_its_budget_removing_the_shard_least_recently_opene
     assert sorted(p.name for p in (tmp_path / "cache").glob("*.tar")) == sorted(
         Path(paths[s["url"]]).name for s in (a, c))
     assert Path(paths[a["url"]]).read_bytes() == (shard_set / "shards" / "train" / "train-000000.tar").read_bytes()
+
+
+def test_reading_a_window_fetches_the_next_windows_shards_before_they_are_read_each_once(shard_set, tmp_path):
+    log, cache = tmp_path / "gets.log", tmp_path / "cache"
+
+    def fetched():
+        """The shards the server sent, a name for each GET, in order."""
+        return [Path(line.split()[0]).name for line in log.read_text().splitlines() if line.split()[0].endswith(".tar")]
+
+    def wait_until_cached(names):
+        """Wait (up to a minute) until the shards named are in the cache and the server's log."""
+        for _ in range(1200):
+            cached = {p.name.split("-", 1)[1] for p in cache.glob("*.tar")}
+            if names <= cached and names <= set(fetched()):
+                return
+            time.sleep(0.05)
+
+    with http_server(shard_set, log=log) as (url, _):
+        split = open_shard_set(f"{url}/shards")[1]["train"]
+        samples = TrainShards(split, ShardCache(cache), CropSpec(8, (0.3, 1.0), 0.5, 0), seed=0, window=2)
+        order = shard_permutation(0, 0, len(split.shards)).tolist()  # the epoch's shards, a window every 2
+        windows = [order[:2], order[2:4], order[4:6]]
+        names = [{Path(split.shards[k]["url"]).name for k in window} for window in windows]
+        ids = [[i for k in window for i in range(samples.starts[k], samples.starts[k + 1])] for window in windows]
+        samples.__getitems__(ids[0])
+        wait_until_cached(names[1])
+        assert sorted(fetched()) == sorted(names[0] | names[1])  # the next window's, each once, and none beyond
+        samples.__getitems__(ids[0][::-1])  # the same window again: nothing more is fetched
+        samples.__getitems__(ids[1])  # read from the cache; the window after it is fetched ahead in turn
+        wait_until_cached(names[2])
+        assert sorted(fetched()) == sorted(names[0] | names[1] | names[2])
 
 
 def test_a_damaged_shard_is_named_fetched_or_read_in_place(shard_set, tmp_path):

@@ -28,8 +28,10 @@ def root_cause(stderr):
 
 def test_a_usage_error_one_rank_meets_is_torchruns_root_cause_as_one_line(tmp_path):
     data = make_image_folder(tmp_path / "data", {"train": {"a": 6, "b": 6}, "val": {"a": 2, "b": 2}}, size=64)
-    # Rank 1 alone sees a machine with 0.3 MiB available: its RAM cache of 12 64x64 images is over its budget.
-    result = run_torchrun("tests/faults.py", "low-memory-on-rank:1:0.3", "train.py", *RECIPE, "train.epochs=1",
+    # Rank 1 alone sees a machine with 0.3 MiB available: its RAM cache of 12 64x64 images is over its budget. And it
+    # is slow to say so, as on a loaded machine: rank 0, stopped by its failure, says its line and ends first.
+    result = run_torchrun("tests/faults.py", "low-memory-on-rank:1:0.3,slow-to-say-on-rank:1:6", "train.py", *RECIPE,
+                          "train.epochs=1",
                           f"data.name={data}", "data.cache=ram", "data.img_size=64", f"project={tmp_path / 'runs'}")
     said = f"train.py: error: rank 1 on {HOST}: data.cache=ram: the first "
     line = next((s for s in result.stderr.splitlines() if s.startswith(said)), None)
@@ -41,6 +43,22 @@ def test_a_usage_error_one_rank_meets_is_torchruns_root_cause_as_one_line(tmp_pa
     assert re.findall(r"^  traceback : (.*)\n(?!  )", result.stderr, flags=re.M) == [line, line]
     assert project_frames(result.stderr) == [], result.stderr[-3000:]
     assert result.returncode == 1  # torchrun's own code for a failed worker
+
+
+def test_a_rank_that_fails_while_the_others_wait_in_a_collective_that_never_breaks_ends_them_all(tmp_path):
+    # Rank 0 waits for ever where rank 1 fails (as in a GPU collective with a rank that left); rank 1 is slow to say
+    # its error, and val.py, unlike train.py, lets torchrun's SIGTERM end a rank at once.
+    result = run_torchrun("tests/faults.py", "fail-while-others-wait:1,slow-to-say-on-rank:1:2", "val.py",
+                          "--weights", tmp_path / "none.pt", "--project", tmp_path / "runs", timeout=120)
+    line = f"val.py: error: rank 1 on {HOST}: injected: rank 1 alone meets this"
+    # Rank 0 ends, saying rank 1's error, and torchrun lists it; rank 1 has said its own and exited first, not
+    # killed by torchrun's SIGTERM for rank 0's end, and is the root cause.
+    assert re.findall(f"^{re.escape(line)}$", result.stderr, flags=re.M) == [line, line], result.stderr[-3000:]
+    assert re.findall(r"^  traceback : (.*)\n(?!  )", result.stderr, flags=re.M) == [line, line], result.stderr[-3000:]
+    cause = root_cause(result.stderr)
+    assert cause["rank"] == "1 (local_rank: 1)" and cause["exitcode"].startswith("2 "), result.stderr[-3000:]
+    assert cause["traceback"] == line
+    assert project_frames(result.stderr) == [] and result.returncode == 1, result.stderr[-3000:]
 
 
 def test_ctrl_c_under_torchrun_is_said_once_saves_and_ends_with_code_1(tmp_path):

@@ -3,6 +3,7 @@ how an error met by one rank reaches the user and ends the others."""
 
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -10,6 +11,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,10 @@ HOST = socket.gethostname()
 # A rank that sees another rank's failure in the store gives its own error (the same one, when every rank meets it)
 # this long to surface first; an error met by every rank together surfaces on all of them well within it.
 FAILURE_GRACE_S = 3.0
-FAILURE_POLL_S = 0.5  # how often each rank looks for another rank's failure in the store
+FAILURE_POLL_S = 0.5  # how often each rank looks for another rank's failure in the store, and shows it lives
+# The longest one call to the job's store waits: where the process that holds it (torchrun's agent on the first
+# machine) is gone, or its machine, a call fails after this rather than after DIST_TIMEOUT.
+STORE_TIMEOUT = timedelta(seconds=30)
 # This launch attempt's name and store, the event that stops watch_failures, and the lock held by the one thread
 # (the main one, or watch_failures) that says how this process ends; set when the process group is joined.
 _job = {"token": None, "store": None, "stop": threading.Event(), "said": threading.Lock()}
@@ -54,16 +59,24 @@ def exit_on_error(script, error, flags=None):
     error is first recorded in the job's store, where every other rank finds it (watch_failures). flags: for a script
     whose options are not train.py's recipe keys, {recipe key: its option} (val.py: {'data.name': '--data'}), so that
     a line from the shared data code names what the user typed (utils.general.in_flags)."""
-    line, store = error_line(error), _job["store"]
+    line, store, seconds = error_line(error), _job["store"], int(time.time())
     line = in_flags(line, flags) if flags else line
     run_failure_actions()
+    if getattr(error, "blamed", None):  # this rank stopped because another died or stalled (utils/once.Stalled)
+        blamed_line, blamed_rank, blamed_host = error.blamed
+        if store is not None:
+            record_failure(store, blamed_line, seconds, blamed_rank, blamed_host)
+        say(f"{script}: {line}", seconds + 1)  # after the blamed rank's second: torchrun names it where it can
+        sys.exit(2)
     if store is not None:
-        record_failure(store, line)
+        record_failure(store, line, seconds)
     own = f"{script}: error: {line}" if RANK == 0 else f"{script}: error: rank {RANK} on {HOST}: {line}"
     if RANK != 0 and said_by_rank0(store, error, line):
-        record_for_torchrun(own)  # not said twice, but torchrun's summary of this rank still shows its line
+        record_for_torchrun(own, seconds)  # not said twice, but torchrun's summary of this rank still shows its line
     else:
-        say(own)
+        say(own, seconds)
+    if store is not None:  # said; leaving the group can take seconds, in which a rank that this failure stopped
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # may end, and torchrun's SIGTERM would make this code 2 a -15
     sys.exit(2)
 
 
@@ -85,11 +98,13 @@ def stop_if_another_rank_failed(script):
         sys.exit(2)
 
 
-def record_failure(store, line):
-    """Put this rank's error line in the job's store, and this rank as the first that failed unless one was."""
+def record_failure(store, line, seconds, rank=RANK, host=HOST):
+    """Put a rank's error line and the time it met it (seconds since the epoch) in the job's store, and that rank as
+    the first that failed unless one was: this rank's, or those of another, one that died or stalled and cannot say
+    its own."""
     try:
-        store.set(f"error/{RANK}", json.dumps({"host": HOST, "line": line}))
-        store.compare_set("first", "", str(RANK))
+        store.set(f"error/{rank}", json.dumps({"host": host, "line": line, "time": seconds}))
+        store.compare_set("first", "", str(rank))
     except Exception:  # the store's host is gone: the job is ending, and this rank still says its line
         pass
 
@@ -103,15 +118,18 @@ def first_failure(store):
 
 
 def failure_line(store, rank, wait_s=0.0):
-    """The error line rank recorded, waiting up to wait_s for it; None if it records none."""
-    for _ in range(int(wait_s / 0.05) + 1):
+    """The error line rank recorded, waiting up to wait_s for it (by the clock: a loaded machine's polls are slow);
+    None if it records none."""
+    deadline = time.monotonic() + wait_s
+    while True:
         try:
             if store.check([f"error/{rank}"]):
                 return json.loads(store.get(f"error/{rank}"))["line"]
         except Exception:
             return None
+        if time.monotonic() >= deadline:
+            return None
         threading.Event().wait(0.05)
-    return None
 
 
 def say_stopped(script, first):
@@ -121,44 +139,47 @@ def say_stopped(script, first):
         failed = json.loads(_job["store"].get(f"error/{first}"))
     except Exception:
         failed = {"host": "its machine", "line": "its error did not reach this rank"}
+    seconds = failed.get("time", int(time.time())) + 1  # after the failed rank's: torchrun names it as root cause
     if RANK == 0:
         line = f"{script}: error: rank {first} on {failed['host']}: {failed['line']}"
     else:
         line = f"{script}: rank {RANK} on {HOST} stopped: rank {first} on {failed['host']} failed"
-    say(line, stopped_by_another=True)
+    say(line, seconds)
     # The failed rank may still wait up to FAILURE_GRACE_S for rank 0's line (said_by_rank0) before it exits. It
     # should exit first: torchrun then ends this rank, and its summary shows the failed rank's exit code, where a
     # stopped rank that exited first would have torchrun kill the failed one.
     time.sleep(FAILURE_GRACE_S + 1)
 
 
-def say(text, stopped_by_another=False):
+def say(text, seconds=None):
     """Print this process's last line, once (the main thread and watch_failures may both come to it), and record it
-    for torchrun, whose summary then shows it."""
+    for torchrun, whose summary then shows it, as met at seconds (since the epoch; now when None)."""
     if _job["store"] is None or _job["said"].acquire(blocking=False):
         print(text, file=sys.stderr, flush=True)
-        record_for_torchrun(text, stopped_by_another)
+        record_for_torchrun(text, seconds)
 
 
-def record_for_torchrun(line, stopped_by_another=False):
+def record_for_torchrun(line, seconds=None):
     """Write line as this worker's error where torchrun reads it (TORCHELASTIC_ERROR_FILE, in the format of torch's
     ErrorHandler), with no traceback: torchrun's summary shows the line alone. torchrun names as root cause the
-    error with the earliest time, in whole seconds; a rank stopped by another's failure records the next second,
-    so that the rank that failed is named, not a rank that stopped because of it."""
+    error with the earliest time, in whole seconds: a failed rank records the second it met its error (seconds,
+    not when it gets to say it: a loaded machine can take longer than the others' FAILURE_GRACE_S), and a rank
+    stopped by its failure the next one, so that the rank that failed is named, however the two are scheduled."""
     path = os.getenv("TORCHELASTIC_ERROR_FILE")
     if not path:  # one process: no torchrun to tell
         return
-    seconds = int(time.time()) + stopped_by_another
+    seconds = int(time.time()) if seconds is None else seconds
     error = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(seconds)}}
     with open(path, "w") as f:
         json.dump({"message": error}, f)
 
 
 def watch_failures(script, store, stop):
-    """Until stop is set (the process group is left): once another rank records a failure, give this rank's own
-    error FAILURE_GRACE_S to surface, then say the failed rank and end this process, wherever its main thread waits
-    (a collective with a rank that left can wait until DIST_TIMEOUT)."""
+    """Until stop is set (the process group is left): show that this process lives (sign_of_life); once another rank
+    records a failure, give this rank's own error FAILURE_GRACE_S to surface, then say the failed rank and end this
+    process, wherever its main thread waits (a collective with a rank that left can wait until DIST_TIMEOUT)."""
     while not stop.wait(FAILURE_POLL_S):
+        sign_of_life(store)
         first = first_failure(store)
         if first is None:
             continue
@@ -167,6 +188,15 @@ def watch_failures(script, store, stop):
         run_failure_actions()
         say_stopped(script, first)
         os._exit(2)
+
+
+def sign_of_life(store):
+    """Count one on this rank's sign of life in the job's store: a rank whose count stands still is gone or stopped
+    (killed, SIGSTOPped, its machine down), whatever its work does (utils/once.wait_for reads it)."""
+    try:
+        store.add(f"alive/{RANK}", 1)
+    except Exception:  # the store's host is gone: the waiters say so
+        pass
 
 
 def distributed_backend(cuda_available, share_one_gpu=SHARE_ONE_GPU):
@@ -187,7 +217,8 @@ def setup_distributed():
         dist.init_process_group(backend=distributed_backend(torch.cuda.is_available()), timeout=DIST_TIMEOUT,
                                 **restart_store())
         _job["token"] = broadcast_object(uuid.uuid4().hex)  # this attempt's own name in the store, drawn by rank 0
-        _job["store"] = job_store()
+        _job["store"] = connect_job_store(_job["token"])
+        sign_of_life(_job["store"])  # before any other rank can wait on this one
         _job["stop"], _job["said"] = threading.Event(), threading.Lock()
         threading.Thread(target=watch_failures, args=(os.path.basename(sys.argv[0]), _job["store"], _job["stop"]),
                          name="watch_failures", daemon=True).start()
@@ -197,9 +228,41 @@ def job_store():
     """The process group's key-value store (torch's TCPStore, reachable from every rank on every machine), under a
     prefix that names this launch attempt alone: keys of a failed attempt that torchrun restarted are never read.
     None for one process."""
-    if not dist.is_initialized() or _job["token"] is None:
-        return None
-    return dist.PrefixStore(f"cls/{_job['token']}/", dist.distributed_c10d._get_default_store())
+    return _job["store"] if dist.is_initialized() else None
+
+
+class Topology(NamedTuple):
+    """Where a process stands in the job: its rank and local rank, the processes on its machine and in all, and the
+    job's store (None for one process), for code that splits work between processes (data/jpeg_cache.py)."""
+
+    rank: int
+    local_rank: int
+    local_world_size: int
+    world_size: int
+    store: object
+
+    @property
+    def machine(self):
+        """This process's machine's number (its torchrun agent's node rank)."""
+        return self.rank // self.local_world_size
+
+    @property
+    def machines(self):
+        """The machines of the job."""
+        return max(1, self.world_size // self.local_world_size)
+
+
+def topology():
+    """This process's Topology, as torchrun describes it."""
+    return Topology(RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, WORLD_SIZE, job_store())
+
+
+def connect_job_store(token):
+    """A connection of this process's own to the store the process group joined at (MASTER_ADDR:MASTER_PORT, as
+    torchrun sets them), whose calls wait at most STORE_TIMEOUT, under token's prefix (job_store)."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=STORE_TIMEOUT, wait_for_workers=False)
+    return dist.PrefixStore(f"cls/{token}/", store)
 
 
 def restart_store():

@@ -10,13 +10,18 @@ One process writes while the others wait (once_per_machine, or a caller's own sp
 its progress (bytes received, images encoded) on a counter in a key-value store (utils/distributed.job_store(), or
 a HashStore for one process) and records its outcome (done, failed); a waiter polls both without entering a
 collective, and gives up only when the counter has not moved for STALL_SECONDS, however long the work takes in all,
-naming the writer that stopped. A stop signal (SIGTERM, Ctrl-C) while writing or waiting ends the process at once
-(stop_on_signals), its temporary file removed.
+or when a writer is gone: its pid ended (on this machine), or its sign of life in the job's store (each rank counts
+one every FAILURE_POLL_S from a thread, utils/distributed.watch_failures) stood still for LIVENESS_SECONDS, on any
+machine. The waiter's line names the writer that stopped, which the job's store then records as the rank that
+failed. A stop signal (SIGTERM, Ctrl-C) while writing or waiting ends the process at once (stop_on_signals), its
+temporary file removed. Machines whose disk is shared write a file on it once: the lowest-numbered of those that
+see the same directory writes, and the others wait on it (first_machine_sharing).
 """
 
 import contextlib
 import itertools
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -33,7 +38,10 @@ from utils.general import LOCAL_RANK, LOCAL_WORLD_SIZE, RANK, WORLD_SIZE, UsageE
 
 HOST = socket.gethostname()
 STALL_SECONDS = float(os.getenv("CLS_STALL_SECONDS", 600))  # no progress for this long is a stall (tests lower it)
+# A rank whose sign of life stood still this long is gone (killed, stopped, its machine down); tests lower it.
+LIVENESS_SECONDS = float(os.getenv("CLS_LIVENESS_SECONDS", 15))
 POLL_SECONDS = 0.1
+LIVENESS_POLL_SECONDS = 1.0  # how often a waiter reads its writers' signs of life
 # A temporary file of another machine's writer (a shared disk) is removed only when untouched for this long: its
 # writer's pid cannot be checked from here, and a live writer writes to it far more often.
 OTHER_HOST_LEFTOVER_SECONDS = 24 * 3600
@@ -41,8 +49,13 @@ CALLS = itertools.count()  # once_per_machine calls of this process: every rank 
 
 
 class Stalled(UsageError):
-    """Work another process does made no progress for STALL_SECONDS; says which rank waited, where, on what, and
-    who was writing."""
+    """Work another process does made no progress for STALL_SECONDS, or its writer is gone; says which rank waited,
+    where, on what, and who stopped. blamed: (line, rank, host) of the writer that stopped, for the job's record of
+    the rank that failed (utils/distributed.exit_on_error), or None where the line blames no rank."""
+
+    def __init__(self, line, blamed=None):
+        super().__init__(line)
+        self.blamed = blamed
 
 
 class WorkFailed(RuntimeError):
@@ -184,16 +197,21 @@ def progress(store, key):
 
 
 def writing(store, key):
-    """Record this process as key's writer, for a waiter's line and its check that the writer still runs."""
-    store.set(f"{key}/writer", f"{RANK} {HOST} {os.getpid()}")
+    """Record this process as one of key's writers, for a waiter's line and its checks that the writers still run."""
+    store.append(f"{key}/writers", f"{RANK} {HOST} {os.getpid()};")
 
 
-def writer(store, key):
-    """(rank, host, pid) of key's writer, or None while none is recorded."""
-    if not store.check([f"{key}/writer"]):
-        return None
-    rank, host, pid = store.get(f"{key}/writer").decode().split()
-    return int(rank), host, int(pid)
+def writers(store, key):
+    """[(rank, host, pid)] of key's writers recorded so far, each once, in rank order."""
+    if not store.check([f"{key}/writers"]):
+        return []
+    found = (entry.split() for entry in store.get(f"{key}/writers").decode().split(";") if entry)
+    return sorted({(int(rank), host, int(pid)) for rank, host, pid in found})
+
+
+def named(writer):
+    """'rank R on HOST (pid N)'."""
+    return f"rank {writer[0]} on {writer[1]} (pid {writer[2]})"
 
 
 def done(store, key, error=None):
@@ -218,23 +236,63 @@ def finished(store, key, doing="waiting"):
 
 def wait_for(store, key, doing, until=None, total=None, desc=None):
     """Wait until key's work is finished (or until() is true), showing its progress as a bar on rank 0 when desc
-    is given. Stalled, naming this rank, its host, doing and key's writer, when the progress counter stood still for
-    STALL_SECONDS or the writer (on this host) is gone; the worker's error (WorkFailed) when it failed."""
-    last, since = -1, time.monotonic()
+    is given. Stalled, naming this rank, its host, doing and the writers waited on, when the progress counter stood
+    still for STALL_SECONDS or a writer is gone (gone_writer); the worker's error (WorkFailed) when it failed; a
+    Stalled naming the store when the job's store does not answer."""
+    last, since, silence = -1, time.monotonic(), silences(store)
     with tqdm(total=total, desc=desc, unit="img", leave=False, disable=desc is None or RANK != 0) as bar:
-        while not finished(store, key, doing) and not (until and until()):
-            now, who = progress(store, key), writer(store, key)
-            if now != last:
-                bar.update(now - max(last, 0))
-                last, since = now, time.monotonic()
-            elif who and who[1] == HOST and not alive(who[2]) and not finished(store, key, doing):
-                raise Stalled(f"rank {RANK} on {HOST}: {doing} stopped: its writer, rank {who[0]} on {who[1]} "
-                              f"(pid {who[2]}), is gone (at {now})")
-            elif time.monotonic() - since > STALL_SECONDS:
-                by = f" by rank {who[0]} on {who[1]} (pid {who[2]})" if who else ""
-                raise Stalled(f"rank {RANK} on {HOST}: {doing}{by} made no progress for {STALL_SECONDS:g} s "
-                              f"(at {now}); stopped waiting")
-            time.sleep(POLL_SECONDS)
+        try:
+            while not finished(store, key, doing) and not (until and until()):
+                now, others = progress(store, key), [w for w in writers(store, key) if w[0] != RANK]
+                if now != last:
+                    bar.update(now - max(last, 0))
+                    last, since = now, time.monotonic()
+                elif (gone := gone_writer(others, silence)) and not finished(store, key, doing):
+                    writer, why = gone
+                    raise Stalled(f"rank {RANK} on {HOST}: stopped {doing}: {named(writer)} {why}",
+                                  (why, *writer[:2]))
+                elif time.monotonic() - since > STALL_SECONDS:
+                    who = " and ".join(map(named, others)) or "the work"
+                    raise Stalled(f"rank {RANK} on {HOST}: stopped {doing}: {who} made no progress for "
+                                  f"{STALL_SECONDS:g} s (at {now})",
+                                  (f"made no progress for {STALL_SECONDS:g} s (at {now})", *others[0][:2])
+                                  if others else None)
+                time.sleep(POLL_SECONDS)
+        except dist.DistError as e:  # the store's process, or its machine, is gone
+            raise Stalled(f"rank {RANK} on {HOST}: stopped {doing}: the job's store does not answer "
+                          f"({error_line(e)}); torchrun's agent on the first machine, which holds it, has ended, or "
+                          "its machine is gone") from None
+
+
+def silences(store):
+    """A function of writers that gives {rank: seconds} since each one's sign of life (utils/distributed.
+    sign_of_life) last moved, as this process saw it (its own clock: machines' clocks may differ); read at most
+    every LIVENESS_POLL_SECONDS."""
+    seen, read = {}, [0.0]
+
+    def silence(writers):
+        now = time.monotonic()
+        if now - read[0] >= LIVENESS_POLL_SECONDS:
+            read[0] = now
+            for rank, _, _ in writers:
+                count = store.add(f"alive/{rank}", 0)
+                if seen.get(rank, (None,))[0] != count:
+                    seen[rank] = count, now
+        return {rank: now - seen[rank][1] for rank, _, _ in writers if rank in seen}
+    return silence
+
+
+def gone_writer(writers, silence):
+    """(writer, why) of the first writer that is gone: on this machine, its pid has ended; on any, its sign of life
+    stood still for LIVENESS_SECONDS. None while every writer lives."""
+    silent = silence(writers)
+    for writer in writers:
+        if writer[1] == HOST and not alive(writer[2]):
+            return writer, "has ended"
+        if silent.get(writer[0], 0) > LIVENESS_SECONDS:
+            return writer, (f"has given no sign of life for {LIVENESS_SECONDS:g} s (killed, stopped, or its "
+                            "machine is gone)")
+    return None
 
 
 @contextlib.contextmanager
@@ -284,6 +342,32 @@ def once_per_machine(name, doing, work):
             wait_for(store, mine, f"waiting for local rank 0 {doing}")
         wait_for(store, job, f"waiting for every machine {doing}",
                  until=lambda: store.add(f"{job}/machines", 0) == machines)
+
+
+def first_machine_sharing(path, store, key, machine, machines, doing):
+    """The lowest-numbered of the machines (this one is machine) that sees path's directory as this one does (a
+    shared disk), so that one machine writes path for all of them: each machine makes a marker beside path named by a
+    token of its own (and, as a temporary file of path, its writer: clean_leftovers removes a dead one's), posts the
+    name on key in store, and looks for the others' once all are made (wait_for key, doing). This machine's own
+    number where the directory is its alone or cannot be written. The markers are removed once every machine looked."""
+    path = Path(path)
+    marker, marked = temporary(path, f".{secrets.token_hex(8)}.machine"), False
+    with contextlib.suppress(OSError):  # unwritable: its writer says so, and here it shares with no one
+        path.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+        marked = True
+    try:
+        store.set(f"{key}/marker/{machine}", marker.name)
+        store.add(f"{key}/marked", 1)
+        wait_for(store, key, doing, until=lambda: store.add(f"{key}/marked", 0) == machines)
+        first = next(m for m in range(machines) if m == machine or
+                     (path.parent / store.get(f"{key}/marker/{m}").decode()).exists())
+        store.add(f"{key}/looked", 1)
+        wait_for(store, key, doing, until=lambda: store.add(f"{key}/looked", 0) == machines)
+        return first
+    finally:
+        if marked:
+            remove(marker)
 
 
 @contextlib.contextmanager
