@@ -13,8 +13,8 @@ val images of the digits 5-9. Prints a table.
 
 --multilabel does the same for recipes/multilabel-photos.yaml, on collages of the digits 5-9: 16x16 images of 1 to 3
 different digits in the cells of a 2x2 grid (as the embedded multidigits, data/multilabel.py), a few (--images) to
-train on, 400 from the val digits to validate on; it also runs the fine-tuning without crops, to show what crops
-that cut digits out of an image but not out of its labels cost. Compares best val mAP.
+train on, 400 from the val digits to validate on; it also runs the fine-tuning with crops of 60-100% of the area,
+to show what crops that cut digits out of an image but not out of its labels cost. Compares best val mAP.
 """
 
 import argparse
@@ -55,8 +55,8 @@ ORIENTATIONS = {"": None, "-mirrored": Image.Transpose.FLIP_LEFT_RIGHT, "-flippe
 PRETRAIN = ["model.weights=''", "train.epochs=10", "train.batch_size=48", "train.patience=0", "optim.lr=0.002",
             "data.scale=[0.35,1.0]"]
 FINETUNE = ["train.batch_size=4"]  # a few dozen images: 10 steps an epoch; the recipe's epochs and schedule
-# Collages: each 8x8 digit at 32 px, as in pretraining; the whole collage at validation (the recipe's squash); the
-# recipe's crops, but no flips or TrivialAugment (a turned digit can be another: 6 and 9).
+# Collages: each 8x8 digit at 32 px, as in pretraining; whole collages (the recipe's), but no flips or TrivialAugment
+# (a turned digit can be another: 6 and 9).
 COLLAGES = ["data.img_size=64", "data.val_img_size=64", "data.hflip=0", "data.auto_augment=''", "data.cache=ram",
             "train.channels_last=false", "data.drop_last=true"]
 VAL_COLLAGES = 400
@@ -118,10 +118,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--per-class", type=int, default=8, help="training images per class of the digits 5-9")
-    parser.add_argument("--multilabel", action="store_true", help="multilabel-photos.yaml on collages of the digits 5-9")
+    parser.add_argument("--multilabel", action="store_true", help="multilabel-photos.yaml on collages of digits 5-9")
     parser.add_argument("--images", type=int, default=50, help="--multilabel: training collages")
     parser.add_argument("--finetune", nargs="*", default=[], help="more recipe overrides for the fine-tuned runs")
-    parser.add_argument("--pretrained", type=Path, help="the pretraining's best.pt: reused where it is, else kept there")
+    parser.add_argument("--pretrained", type=Path, help="the pretraining's best.pt: reused if there, else kept there")
     args = parser.parse_args()
     start, digits = time.time(), dataset_root("digits")
     with tempfile.TemporaryDirectory() as tmp:
@@ -173,14 +173,14 @@ def single_label_task(tmp, digits, per_class):
 
 
 def multilabel_task(tmp, images):
-    """multilabel-photos.yaml on images collages of 1 to 3 of the digits 5-9 (VAL_COLLAGES to validate on), with
-    its crops and without."""
+    """multilabel-photos.yaml on images collages of 1 to 3 of the digits 5-9 (VAL_COLLAGES to validate on), as it
+    is (whole images) and with crops."""
     root = tmp / f"collages5-9-{images}"
     write_multidigits(root, classes=(5, 6, 7, 8, 9), images={"train": images, "val": VAL_COLLAGES},
                       digits_per_image=(1, 2, 3))
     return {"recipe": "multilabel-photos.yaml", "metric": "val/map", "data": root,
             "overrides": [*COLLAGES, f"train.batch_size={images // 10}"],  # 10 steps an epoch, as FINETUNE
-            "tuned": {"fine-tuned from IMAGENET1K_V1": [], "fine-tuned, no crops": ["data.scale=[1.0,1.0]"]},
+            "tuned": {"fine-tuned from IMAGENET1K_V1": [], "fine-tuned, crops of 60-100%": ["data.scale=[0.6,1.0]"]},
             "what": f"{images} training collages of 1 to 3 of the digits 5-9, {VAL_COLLAGES} val collages; best val "
                     f"mAP of each run (last epoch's)"}
 
