@@ -16,7 +16,7 @@ import torch.distributed as dist
 import utils.once
 from conftest import closed_port
 from utils.once import (HOST, Stalled, atomic_write, clean_leftovers, done, local_store, made, once_per_machine,
-                        temporary, wait_for, writing)
+                        repeating, temporary, wait_for, writing)
 
 
 def test_an_atomic_write_makes_the_file_whole_and_flushes_the_file_and_its_directory(tmp_path, monkeypatch):
@@ -79,18 +79,8 @@ def another_writer(store, key, rank=1, host="node-b", pid=4242):
 @contextlib.contextmanager
 def signs_of_life(store, rank=1):
     """While inside, rank's sign of life moves, as its watch_failures thread moves it."""
-    stop = threading.Event()
-
-    def live():
-        while not stop.wait(0.05):
-            store.add(f"alive/{rank}", 1)
-    thread = threading.Thread(target=live)
-    thread.start()
-    try:
+    with repeating(lambda: store.add(f"alive/{rank}", 1), 0.05):
         yield
-    finally:
-        stop.set()
-        thread.join()
 
 
 def test_a_waiter_stops_naming_the_writer_whose_progress_stopped_not_itself(monkeypatch):

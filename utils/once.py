@@ -371,26 +371,35 @@ def first_machine_sharing(path, store, key, machine, machines, doing):
 
 
 @contextlib.contextmanager
-def watching(folder, report, every=1.0):
-    """While inside, report the growth of the bytes of the files under folder (a download by another library into
-    its own cache, which reports nothing itself) every `every` seconds."""
+def repeating(action, every):
+    """While inside, call action() every `every` seconds from a thread of its own."""
     stop = threading.Event()
 
-    def size():
-        return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file()) if Path(folder).is_dir() else 0
-
-    def watch():
-        last = size()
+    def loop():
         while not stop.wait(every):
-            with contextlib.suppress(OSError):  # a file renamed or removed while listed
-                now = size()
-                if now != last:
-                    report(abs(now - last))
-                    last = now
-    thread = threading.Thread(target=watch, daemon=True)
+            action()
+    thread = threading.Thread(target=loop, daemon=True)
     thread.start()
     try:
         yield
     finally:
         stop.set()
         thread.join()
+
+
+@contextlib.contextmanager
+def watching(folder, report, every=1.0):
+    """While inside, report the growth of the bytes of the files under folder (a download by another library into
+    its own cache, which reports nothing itself) every `every` seconds."""
+    def size():
+        return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file()) if Path(folder).is_dir() else 0
+    last = [size()]
+
+    def check():
+        with contextlib.suppress(OSError):  # a file renamed or removed while listed
+            now = size()
+            if now != last[0]:
+                report(abs(now - last[0]))
+                last[0] = now
+    with repeating(check, every):
+        yield
