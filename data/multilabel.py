@@ -80,25 +80,30 @@ def write_multidigits(root, report=lambda n: None, classes=tuple(range(10)), ima
     rng = np.random.default_rng(0)
     with atomic_write(root, first_wins=True) as tmp:  # another machine on a shared disk may finish first
         for split, pool in pools.items():
-            write_multidigits_split(tmp, split, pool, digits, pixels, rng, report, classes, images[split],
-                                    digits_per_image)
+            by_digit = [pool[digits.target[pool] == d] for d in classes]
+            write_split(tmp, split, [pick_digits(rng, by_digit, digits_per_image) for _ in range(images[split])],
+                        pixels, classes, report)
 
 
-def write_multidigits_split(tmp, split, pool, digits, pixels, rng, report, classes, count, digits_per_image):
-    """Write one split of a multidigits set into tmp: count images and its CSV."""
-    by_digit = [pool[digits.target[pool] == d] for d in classes]
+def pick_digits(rng, by_digit, digits_per_image):
+    """One image's (class position, cell, digit image index) triples: that many different classes in distinct cells."""
+    chosen = rng.choice(len(by_digit), size=rng.choice(digits_per_image), replace=False)
+    cells = rng.choice(GRID * GRID, size=len(chosen), replace=False)
+    return [(int(c), int(cell), rng.choice(by_digit[c])) for c, cell in zip(chosen, cells)]
+
+
+def write_split(tmp, split, images, pixels, classes, report):
+    """Write one split into tmp: each image of images (pick_digits' triples) as a PNG, and its CSV of labels."""
     (tmp / "images" / split).mkdir(parents=True)
     with open(tmp / f"{split}.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["path", "labels"])
-        for i in range(count):
-            chosen = rng.choice(len(classes), size=rng.choice(digits_per_image), replace=False)
-            cells = rng.choice(GRID * GRID, size=len(chosen), replace=False)
+        for i, picked in enumerate(images):
             image = np.zeros((GRID * SIDE, GRID * SIDE), np.uint8)
-            for digit, cell in zip(chosen, cells):
-                y, x = divmod(int(cell), GRID)
-                image[y * SIDE : (y + 1) * SIDE, x * SIDE : (x + 1) * SIDE] = pixels[rng.choice(by_digit[digit])]
+            for _, cell, index in picked:
+                y, x = divmod(cell, GRID)
+                image[y * SIDE : (y + 1) * SIDE, x * SIDE : (x + 1) * SIDE] = pixels[index]
             name = f"images/{split}/{i:05d}.png"
             Image.fromarray(image).save(tmp / name)
-            writer.writerow([name, " ".join(str(classes[d]) for d in sorted(chosen))])
+            writer.writerow([name, " ".join(str(classes[c]) for c in sorted(c for c, _, _ in picked))])
             report(1)
