@@ -15,6 +15,7 @@ import argparse
 import signal
 import sys
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -30,7 +31,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
-from data.cache import batch_to
+from data.cache import device_batches
 from data.datasets import balanced_class_weights, input_feed, set_epoch, training_data
 from data.layouts import held_out_folder, save_split
 from data.shard_sets import check_same_shards
@@ -276,9 +277,9 @@ def train_one_epoch(loop, state, epoch, show_batch=False):
     bar = tqdm(loop.loader, desc=f"{epoch + 1}/{cfg.train.epochs}", initial=state.step, total=most,
                disable=True if RANK else None, leave=False)
     layout, crop = memory_format(cfg.train.channels_last), crop_spec(cfg.data)
-    with join_uneven_inputs(state.model, fewest < most):
-        for step, batch in enumerate(bar, state.step):
-            images, targets = batch_to(batch, device, crop)  # the caches' batches are cropped on the device
+    # The caches' batches are cropped on the device, the next one while this step runs
+    with join_uneven_inputs(state.model, fewest < most), closing(device_batches(bar, device, crop)) as batches:
+        for step, (images, targets) in enumerate(batches, state.step):
             if show_batch and loop.logger:
                 loop.logger.log_batch(images[:32], targets[:32])
                 show_batch = False

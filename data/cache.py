@@ -5,8 +5,8 @@ and data.scale, antialiased, never upscaled; CIFAR's padded crop: resized to dat
 random), each at its own size, and their crop and flip run per batch on the training device (transforms.crop_batch),
 drawn from the same per-sample seeds as the per-image path: crop boxes are drawn on each image's original size and
 scaled to the stored one, so each sample gets the same crop box and flip either way, and pixels differ only by
-interpolation (roi_align on the stored image against PIL's resize of the original), so a run stays exact at any
-number of processes and on resume. A batch is padded only to its own largest image. Validation images are stored
+interpolation (torchvision's antialiased resize of the stored image against PIL's of the original), so a run stays
+exact at any number of processes and on resume. A batch is padded only to its own largest image. Validation images are stored
 after their transforms, which are not random: exactly the per-image path's. DataLoader workers, forked, share the
 tensor without copying it.
 
@@ -16,15 +16,18 @@ memory reserved for that budget, a few chunks at a time, so building a cache tak
 second copy (decode_all).
 
 batch_to moves either cache's batches to the training device; the JPEG cache's (data/jpeg_cache.py) are decoded and
-cropped by decode_crop, here beside it.
+cropped by decode_crop, here beside it. device_batches does it for a loader, each batch prepared while the step
+before it runs.
 """
 
 import math
 import mmap
+import queue
+import threading
 import warnings
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import closing
+from contextlib import closing, nullcontext, suppress
 from itertools import islice
 
 import numpy as np
@@ -67,7 +70,6 @@ class RamImages(Dataset):
         # resized one, which is the stored one.
         self.sizes = sizes if spec and not spec.padding else self.stored
         self.channels = int(self.offsets[1] // self.stored[0].prod()) if len(self.stored) else 3
-        self.edge = spec is not None and not spec.padding  # see gather
         uniform = len(self.stored) and bool((self.stored == self.stored[0]).all())
         self.images = self.pixels.view(-1, self.channels, *self.stored[0].tolist()) if uniform else None
         self.scales = (self.stored / self.sizes).float()  # (N, 2): stored over drawn size, per axis (y, x)
@@ -96,9 +98,8 @@ class RamImages(Dataset):
 
     def gather(self, index):
         """The images of index as one (N, C, H, W) tensor of the batch's largest height and width, each image in
-        its top-left corner; the rest is zeros, or for resized crops its border pixels repeated (interpolating at a
-        crop's edge then reads the image's own edge, not black; for padded crops, outside the image is zeros, as
-        the per-image path's padding is)."""
+        its top-left corner, the rest zeros (which resized crops never read, and which padded crops take as the
+        per-image path's zero padding)."""
         if self.images is not None:  # every image one size: one indexing op
             return self.images[index]
         sizes, pixels, c = self.stored[index], self.pixels.numpy(), self.channels
@@ -107,9 +108,6 @@ class RamImages(Dataset):
         batch = np.zeros((len(index), c, height, width), dtype=np.uint8)
         for out, start, (h, w) in zip(batch, self.offsets[index.numpy()].tolist(), sizes.tolist()):
             out[:, :h, :w] = pixels[start : start + c * h * w].reshape(c, h, w)
-            if self.edge:
-                out[:, :h, w:] = out[:, :h, w - 1 : w]
-                out[:, h:] = out[:, h - 1 : h]
         return torch.from_numpy(batch)
 
     def __getitem__(self, i):
@@ -265,23 +263,10 @@ def packed(blobs):
 
 def decode_crop(blobs, params, scales, spec, device):
     """The JPEG cache's training batch: JPEG bytes (a list of 1-D uint8 CPU tensors) decoded in one call on device
-    (nvJPEG on CUDA), then each image cropped and flipped on its own, at its own size (crop_image), into one uint8
-    (N, C, size, size) batch. params and scales stay on the CPU, where crop_image reads them."""
+    (nvJPEG on CUDA), then cropped and flipped (crop_batch: at once on a GPU, one image at a time on a CPU) into one
+    uint8 (N, C, size, size) batch."""
     images = decode_jpeg(blobs, mode=ImageReadMode.RGB, device=device)
-    return torch.stack([crop_image(image, box, scale, spec) for image, box, scale in zip(images, params, scales)])
-
-
-def crop_image(image, params, scale, spec):
-    """One decoded (C, H, W) image's resized crop and flip from its crop_params row (and scale: stored over drawn
-    size, (y, x)). An image stored at its own size is resized by torchvision with antialiasing, as the per-image
-    path's PIL resize is, and many times faster on a CPU than crop_batch's roi_align (0.5 against 8 ms for a 500x375
-    photo at 176 px); one stored smaller goes through roi_align, which takes its box scaled to fractional pixels,
-    and a padded crop (a window, no resampling) through crop_batch's indexing."""
-    if spec.padding or scale.tolist() != [1.0, 1.0]:
-        return crop_batch(image[None], params[None].to(image.device), spec, scale[None].to(image.device))[0]
-    top, left, h, w, flip = params.tolist()
-    crop = v2.functional.resized_crop(image, top, left, h, w, [spec.size, spec.size], antialias=True)
-    return crop.flip(-1) if flip else crop
+    return crop_batch(images, params.to(device, non_blocking=True), spec, scales)
 
 
 def batch_to(batch, device, spec):
@@ -296,3 +281,57 @@ def batch_to(batch, device, spec):
         return decode_crop(images, *crop, spec, device), targets.to(device, non_blocking=True)
     images, targets, *crop = (tensor.to(device, non_blocking=True) for tensor in batch)
     return (crop_batch(images, crop[0], spec, *crop[1:]) if crop else images), targets
+
+
+def device_batches(loader, device, spec):
+    """The loader's batches on device as batch_to makes them, in order, each prepared while the step before it runs:
+    a thread takes the loader's batches and moves, decodes and crops them (on CUDA on a side stream), one batch
+    ahead of the training loop, so that its waits (nvJPEG's decoder blocks the calling thread until its batch is
+    done) hold up neither the queueing of the step's kernels nor the step. The training stream waits for a batch's
+    work (an event) before using it, and its tensors are marked as used there (record_stream), so that their memory
+    is not reused while the step reads them. An error in the loader or the preparation is raised here, in the
+    training loop, as it was raised. Costs up to two batches on the device beyond the one training. Use as a
+    context manager (or close it): leaving the loop early stops the thread before the loader is used again."""
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    ready, stop = queue.Queue(maxsize=1), threading.Event()
+    worker = threading.Thread(target=prepare_batches, args=(loader, device, spec, stream, ready, stop), daemon=True,
+                              name="device_batches")
+    worker.start()
+    try:
+        while (item := ready.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            tensors, done = item
+            if stream is not None:
+                current = torch.cuda.current_stream(device)
+                current.wait_event(done)
+                for tensor in tensors:
+                    tensor.record_stream(current)
+            yield tensors
+    finally:
+        stop.set()
+        while worker.is_alive():  # a thread blocked on a full queue sees stop within its timeout
+            with suppress(queue.Empty):
+                ready.get(timeout=0.1)
+            worker.join(timeout=0.1)
+
+
+def prepare_batches(loader, device, spec, stream, ready, stop):
+    """device_batches' thread: each of the loader's batches through batch_to on stream, put on ready with the event
+    that marks its work done; then None, or the error met. Ends early once stop is set."""
+    def put(item):
+        while not stop.is_set():
+            with suppress(queue.Full):
+                return ready.put(item, timeout=0.1)
+
+    try:
+        with torch.cuda.device(device) if stream is not None else nullcontext(), \
+                torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for batch in loader:
+                tensors = batch_to(batch, device, spec)
+                put((tensors, stream.record_event() if stream is not None else None))
+                if stop.is_set():
+                    return
+        put(None)
+    except BaseException as error:  # noqa: BLE001 - handed to the training loop, which raises it
+        put(error)

@@ -6,8 +6,8 @@ transforms per image (on small images they cost more than the augmentation), and
 of the bytes to copy to a GPU.
 
 Training's crop and flip are drawn by crop_params from each sample's seed alone, by one vectorised function that
-both the per-image path (SeededCropFlip) and the RAM cache's per-batch path (crop_batch) call: a sample gets the
-same crop box and flip from either.
+both the per-image path (SeededCropFlip) and the caches' per-batch path (crop_batch) call: a sample gets the
+same crop box and flip from either, and the same pixels to within one grey level.
 """
 
 import math
@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torchvision.ops import roi_align
 from torchvision.transforms import InterpolationMode, v2
 from torchvision.transforms.v2 import functional as TF
 
@@ -113,26 +112,111 @@ class SeededCropFlip:
         return TF.horizontal_flip(image) if flip else image
 
 
+# On a CPU, images above this many pixels crop faster one by one (torchvision's own uint8 kernels, about 0.4 ms a
+# 500x375 photo at 176 px on one core) than as one batched product over the batch's largest size (12 ms an image);
+# at 8x8 the batch takes 6 us an image against 33 us one by one (benchmarks/gpu.py --crops).
+BATCHED_CPU_PIXELS = 32 * 32
+
+
 def crop_batch(images, params, spec, scales=None):
-    """The RAM cache's training crop and flip of a uint8 batch (N, C, H, W) on its device, from crop_params'
-    (N, 5) params: one indexing op for padded windows, one roi_align (bilinear, averaging when it shrinks) for
-    resized crops, instead of a Python call per image. scales (N, 2), (y, x): how much smaller each stored image
-    is than the one its resized crop was drawn on; its box is scaled to match, in fractional pixels."""
-    top, left, h, w, flip = params.unbind(1)
-    n, size = len(images), spec.size
+    """Training's crop and flip of a batch from crop_params' (N, 5) params, on the images' device: a (N, C, H, W)
+    uint8 batch padded to its largest image, or a list of (C, H, W) images. Padded windows (data.crop_padding) are
+    one indexing op; resized crops are torchvision's antialiased resized_crop and flip of each image, done for the
+    whole batch at once by resized_crops on a GPU and on small images, one image at a time above
+    BATCHED_CPU_PIXELS on a CPU. scales (N, 2), (y, x): how much smaller each stored image is than the one its box
+    was drawn on; its box is scaled to match, in fractional pixels (resize_weights)."""
+    flip = params[:, 4].bool()
     if spec.padding:
-        padded = F.pad(images, [spec.padding] * 4)
-        rows = (top + spec.padding)[:, None] + torch.arange(size, device=images.device)
-        cols = (left + spec.padding)[:, None] + torch.arange(size, device=images.device)
-        cropped = padded[torch.arange(n, device=images.device)[:, None, None], :, rows[:, :, None],
-                         cols[:, None, :]].permute(0, 3, 1, 2)  # (N, size, size, C) -> (N, C, size, size)
-    else:
-        boxes = torch.stack([left, top, left + w, top + h], 1).float()
-        if scales is not None:  # edges map to edges: a resize by s moves pixel edge x to x * s
-            boxes = boxes * scales.float().flip(1).repeat(1, 2)
-        boxes = torch.cat([torch.arange(n, device=images.device, dtype=boxes.dtype)[:, None], boxes], 1)
-        cropped = roi_align(images.float(), boxes, size, aligned=True).round_().clamp_(0, 255).to(torch.uint8)
+        return windows(stacked(images), params, spec.padding, spec.size)
+    boxes = params[:, :4].double()
+    if scales is not None:  # edges map to edges: a resize by s moves pixel edge x to x * s
+        boxes = boxes * scales.double().repeat(1, 2).to(boxes.device)
+    height, width = max_size(images)
+    if images[0].device.type != "cpu" or height * width <= BATCHED_CPU_PIXELS:
+        return resized_crops(stacked(images), boxes, flip, spec.size)
+    return torch.stack([resized_crop(image, box, f, spec.size) for image, box, f in zip(images, boxes, flip.tolist())])
+
+
+def windows(images, params, padding, size):
+    """CIFAR's crops: each image's size x size window at params' top and left in the image padded by `padding`
+    zeros (outside the image is zeros, also where the batch pads a smaller image), flipped where params say."""
+    top, left, _, _, flip = params.unbind(1)
+    n, device = len(images), images.device
+    padded = F.pad(images, [padding] * 4)
+    rows = (top + padding)[:, None] + torch.arange(size, device=device)
+    cols = (left + padding)[:, None] + torch.arange(size, device=device)
+    cropped = padded[torch.arange(n, device=device)[:, None, None], :, rows[:, :, None],
+                     cols[:, None, :]].permute(0, 3, 1, 2)  # (N, size, size, C) -> (N, C, size, size)
     return torch.where(flip.bool()[:, None, None, None], cropped.flip(-1), cropped).contiguous()
+
+
+def max_size(images):
+    """(height, width) of the largest image of a batch or list."""
+    if isinstance(images, torch.Tensor):
+        return tuple(images.shape[-2:])
+    return max(image.shape[-2] for image in images), max(image.shape[-1] for image in images)
+
+
+def stacked(images):
+    """A list of (C, H, W) images as one zero-padded (N, C, H, W) batch of the largest's size, each in its top-left
+    corner (a batch is returned as it is)."""
+    if isinstance(images, torch.Tensor):
+        return images
+    height, width = max_size(images)
+    batch = images[0].new_zeros((len(images), images[0].shape[0], height, width))
+    for out, image in zip(batch, images):
+        out[:, : image.shape[1], : image.shape[2]] = image
+    return batch
+
+
+def resized_crop(image, box, flip, size):
+    """One (C, H, W) uint8 image's resized crop of box (top, left, height, width) to size x size, flipped if flip:
+    torchvision's resized_crop where the box is whole pixels, else resized_crops on the pixels the box covers."""
+    if bool((box == box.round()).all()):
+        top, left, h, w = box.long().tolist()
+        crop = TF.resized_crop(image, top, left, h, w, [size, size], antialias=True)
+        return crop.flip(-1) if flip else crop
+    first = box[:2].floor()
+    last = (box[:2] + box[2:]).ceil().long()
+    span = image[:, int(first[0]) : int(last[0]), int(first[1]) : int(last[1])]
+    shifted = torch.cat([box[:2] - first, box[2:]])
+    return resized_crops(span[None], shifted[None], torch.tensor([flip]), size)[0]
+
+
+def resized_crops(images, boxes, flips, size):
+    """A batch's resized crops: each (C, H, W) uint8 image's box (top, left, height, width; (N, 4), in pixels,
+    fractional too) resized to size x size with torchvision's antialiased bilinear resize, flipped where flips (N,)
+    says, as uint8 (N, C, size, size). Antialiased resizing is separable: each image's box becomes a (size, H)
+    and a (size, W) weight matrix (resize_weights; zero outside the box, reversed for a flip), and the batch is
+    resized by two batched matrix products in float32, on the images' device. Pixels match resized_crop's to within
+    one grey level (its uint8 kernels round between the two passes); what the batch pads is never read."""
+    n, channels, height, width = images.shape
+    boxes = boxes.to(images.device, torch.float64)
+    rows = resize_weights(boxes[:, 0], boxes[:, 2], size, height)  # (N, size, H)
+    cols = resize_weights(boxes[:, 1], boxes[:, 3], size, width)  # (N, size, W)
+    cols = torch.where(flips.to(images.device).bool()[:, None, None], cols.flip(1), cols)
+    # Two plain batched products, channels folded into the other side of each (a broadcast over them would copy
+    # the weights per channel): (N, H, C * W) by rows, then (N, size * C, W) by cols.
+    pixels = images.permute(0, 2, 1, 3).to(torch.float32, memory_format=torch.contiguous_format)
+    tall = torch.bmm(rows, pixels.view(n, height, channels * width))  # (N, size, C * W)
+    out = torch.bmm(tall.view(n, size * channels, width), cols.transpose(1, 2))  # (N, size * C, size)
+    out = out.view(n, size, channels, size).permute(0, 2, 1, 3)
+    return out.round_().clamp_(0, 255).to(torch.uint8, memory_format=torch.contiguous_format)
+
+
+def resize_weights(start, length, out_size, in_size):
+    """(N, out_size, in_size) float32 weights of torch's antialiased bilinear resize (the weights of
+    _upsample_bilinear2d_aa, which torchvision's resize uses) of each sample's span [start, start + length) of
+    in_size pixels to out_size: output pixel i reads the pixels whose centres lie in the span, each weighted by the
+    triangle filter at its distance from the output pixel's centre (widened by the scale when shrinking), the
+    weights normalised to sum to one."""
+    start, length = start[:, None, None], length[:, None, None]
+    scale = length / out_size
+    stretch = torch.where(scale >= 1, 1 / scale, torch.ones_like(scale))
+    centre = start + scale * (torch.arange(out_size, device=start.device, dtype=torch.float64)[:, None] + 0.5)
+    pixel = torch.arange(in_size, device=start.device, dtype=torch.float64) + 0.5
+    weight = (1 - ((pixel - centre) * stretch).abs()).clamp_(min=0) * ((pixel > start) & (pixel < start + length))
+    return (weight / weight.sum(2, keepdim=True)).float()
 
 
 def auto_augment(cfg):

@@ -1,5 +1,6 @@
 """The CUDA lane: what only a GPU runs (fp16 with its GradScaler, bf16, channels_last with torch.compile, the stop
-vote's pinned copy, a resume, JPEG decoding on the GPU, DDP). Skipped without a GPU; run with
+vote's pinned copy, a resume, JPEG decoding on the GPU, the batched crop and the side stream that prepares the next
+batch, DDP). Skipped without a GPU; run with
 
     python -m pytest -m cuda
 """
@@ -12,11 +13,12 @@ from torch import nn
 
 import train
 from conftest import read_results, run_python, run_torchrun
-from data.cache import batch_to
+from data.cache import batch_to, device_batches
 from data.datasets import build_datasets
 from data.jpeg_cache import jpeg_datasets
-from data.transforms import crop_spec, val_transforms
+from data.transforms import CropSpec, crop_batch, crop_spec, val_transforms
 from test_cache import SIZES, data_cfg, ramp_folder
+from test_crops import IMAGES, MORE, per_image
 from utils.checkpoint import load_checkpoint
 from utils.config import load_recipe
 from utils.distributed import topology
@@ -134,3 +136,27 @@ def test_two_processes_share_one_gpu_over_gloo(tmp_path, monkeypatch):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 process(es) on cuda," in result.stdout
     assert float(read_results(tmp_path / "exp")[1][-1]["val/top1"]) >= 0.95
+
+
+def test_the_batched_crop_on_the_gpu_gives_the_cpus_pixels():
+    spec, boxes = CropSpec(24, (0.08, 1.0), 0.5, 0), torch.tensor(MORE)
+    on_gpu = crop_batch([image.to(GPU) for image in IMAGES], boxes.to(GPU), spec)
+    assert on_gpu.is_cuda
+    difference = (on_gpu.cpu().int() - per_image(IMAGES, boxes).int()).abs()
+    assert difference.max() <= 1 and difference.float().mean() < 0.2
+
+
+def test_batches_prepared_on_the_side_stream_are_the_batches_prepared_in_line(tmp_path):
+    ramp_folder(tmp_path / "data", SIZES * 4)
+    shutil.copytree(tmp_path / "data" / "train", tmp_path / "data" / "val")
+    cfg = data_cfg(img_size=16, scale=[0.25, 1.0], hflip=0.5, cache="jpeg", cache_dir=str(tmp_path / "cache"))
+    train_set, _ = jpeg_datasets(*build_datasets(tmp_path / "data", None, None), cfg, 3, val_transforms(cfg), GPU,
+                                 topology())
+    loader = [train_set.__getitems__(range(start, start + 8)) for start in range(0, len(SIZES) * 4, 8)]
+    in_line = [batch_to(batch, GPU, crop_spec(cfg)) for batch in loader]
+    ahead = []
+    for images, targets in device_batches(loader, GPU, crop_spec(cfg)):
+        torch.cuda._sleep(10**7)  # a long step on the training stream while the next batch is prepared
+        ahead.append((images.clone(), targets.clone()))
+    assert len(ahead) == len(in_line)
+    assert all(torch.equal(a, b) and torch.equal(x, y) for (a, x), (b, y) in zip(ahead, in_line))
