@@ -576,7 +576,7 @@ def extrapolate(bench, sizes):
     print("\n5. Read throughput per path (each rank reads its loader with no model; crops of 176 px):")
     for cache, bound in (("none", "PIL decodes and crops each file (workers)"),
                          ("jpeg", "decode_jpeg and an antialiased resize per image (workers)"),
-                         ("ram", "gathering and roi_align per batch")):
+                         ("ram", "gathering and cropping per batch")):
         for label, _ in local:
             for size in reversed(sizes):
                 r = got(label, size, cache)

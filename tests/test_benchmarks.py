@@ -75,3 +75,11 @@ def test_scale_memory_and_cache_write_verdicts_on_the_recorded_figures_take_the_
     seconds = cache_write_estimates(recorded_results(), LABELS, 20000, disk_gbs=2.0, cores=2)
     assert {name: round(value, 1) for name, value in seconds.items()} == {"N=1": 92.0, "N=2": 87.4, "N=4": 84.5}
     assert verdict(seconds, 120)[1:] == ("N=1", "met")  # the slowest rate measured, not the best
+
+
+def test_gpu_crops_times_both_crops_and_finds_their_pixels_within_a_grey_level():
+    result = run_python("benchmarks/gpu.py", "--crops", "--images", "24", "--batch", "12", "--rounds", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line.split() for line in result.stdout.splitlines() if line.startswith("  cpu")]
+    assert [line[1:3] for line in lines] == [["per", "image"], ["batched", "(resized_crops,"], ["pixels", "apart:"]]
+    assert "at most 1 grey level(s)" in result.stdout or "at most 0 grey level(s)" in result.stdout

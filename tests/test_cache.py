@@ -66,7 +66,7 @@ def test_cache_draws_the_per_image_crop_and_flip_of_every_sample(tmp_path, keys)
         if cfg.crop_padding:
             assert diff.max() == 0  # a window of the zero-padded image: no interpolation at all
         else:
-            assert diff.max() < 3, diff  # the same box, resized by roi_align here and by PIL there
+            assert diff.max() < 3, diff  # the same box, resized by torchvision here and by PIL there
     other_epoch = per_image_epoch(cfg, folder, ids, 1)
     assert (per_image_epoch(cfg, folder, ids, 0).float() - other_epoch.float()).abs().mean() > 5
 

@@ -276,7 +276,7 @@ def test_a_crop_of_a_big_stored_image_is_close_to_the_per_image_crop_of_the_orig
         samples = SeededSamples(ImageFolder(str(folder), train_transforms(cfg)), seed=3)
         samples.set_epoch(epoch)
         reference = torch.stack([samples[i][0] for i in ids])
-        # The same box, resampled by PIL from the original here and by an antialiased resize then roi_align
+        # The same box, resampled by PIL from the original here and by two antialiased resizes (stored, then cropped)
         # there: under 1 grey level apart on these smooth images, where the box moved by 2 original pixels
         # already differs by 3.5; 2 leaves room for the two filters and no room for a misplaced box.
         diff = (cached.float() - reference.float()).abs().mean((1, 2, 3))

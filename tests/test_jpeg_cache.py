@@ -59,7 +59,7 @@ def cache_files(folder):
 
 
 # Up to JPEG's loss at quality 90 and resizes of one box by torchvision and PIL; at 0.25, the 40x40 image is stored
-# at 32x32 and its crops resampled by roi_align.
+# at 32x32 and its crops resampled from the stored image, the box in fractional pixels.
 @pytest.mark.parametrize("keys, most", [(dict(img_size=16, scale=[0.08, 1.0], hflip=0.5), 1.5),  # all stored whole
                                         (dict(img_size=16, scale=[0.25, 1.0], hflip=0.5), 3),
                                         (dict(img_size=16, crop_padding=2, hflip=0.5), 2.5)])  # stored at 16 px
