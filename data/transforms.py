@@ -112,8 +112,8 @@ class SeededCropFlip:
         return TF.horizontal_flip(image) if flip else image
 
 
-# On a CPU, images above this many pixels crop faster one by one (torchvision's own uint8 kernels, about 0.4 ms a
-# 500x375 photo at 176 px on one core) than as one batched product over the batch's largest size (12 ms an image);
+# On a CPU, images above this many pixels crop faster one by one (torchvision's own uint8 kernels, 0.3-0.4 ms a
+# 500x375 photo at 176 px on one core) than as one batched product over the batch's largest size (9-16 ms an image);
 # at 8x8 the batch takes 6 us an image against 33 us one by one (benchmarks/gpu.py --crops).
 BATCHED_CPU_PIXELS = 32 * 32
 

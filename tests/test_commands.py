@@ -58,6 +58,7 @@ RUN = [
 
 BENCHMARK = "a benchmark: minutes of measurement on this machine"
 SLURM = "SLURM's batch script: sbatch, srun and scontrol on a cluster"
+SWEEP = "needs a sweep's folder: tests/test_tune.py trains a sweep's best.yaml and reports a sweep from its folder"
 NOT_RUN = {
     "pip install -r requirements-lock.txt && torchrun --nproc_per_node=2 train.py --recipe cls.yaml":
         "it would reinstall the lock over the environment the suite runs in (.ci/run installs it); the torchrun "
@@ -94,7 +95,17 @@ NOT_RUN = {
     "torchrun --nproc_per_node=2 benchmarks/ddp.py": BENCHMARK,
     "python benchmarks/finetune.py": BENCHMARK,
     "python benchmarks/finetune.py --multilabel": BENCHMARK,
-    "python benchmarks/checkpoint.py": BENCHMARK,
+    "python benchmarks/sweep.py": BENCHMARK,
+    "python tune.py --recipe cls.yaml --space spaces/cls.yaml --trials 20":
+        "20 trials of training: tests/test_tune.py runs sweeps of this recipe of 2 to 4 one-epoch trials, and reads "
+        "spaces/cls.yaml as this command does",
+    "python tune.py --recipe cls.yaml --space spaces/cls.yaml --trials 40 --storage "
+    "postgresql://user:password@host/optuna --study cls": "needs a PostgreSQL server (tests/test_tune.py shares one "
+                                                         "SQLite study between two tune.py)",
+    "python train.py --recipe runs/tune/cls-cls/best.yaml": SWEEP,
+    "python tune.py --report runs/tune/cls-cls": SWEEP,
+    "python train.py --resume runs/tune/cls-cls/trial-K": SWEEP,
+    "tensorboard --logdir runs/tune": "a server that runs until stopped",
     "python -m data.shards": "the writer named in a sentence; the command above it with its arguments is run",
     "python -m data.shard_index path/to/webdataset": "needs shards another tool wrote: test_shards.py writes such a "
                                                      "set, indexes it with this command and trains on it",

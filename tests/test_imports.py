@@ -1,4 +1,4 @@
-"""The project's imports go one way: the scripts (train, val, predict, export) -> data/, models/ -> utils/, with no
+"""The project's imports go one way: the scripts (train, val, predict, export, tune) -> data/, models/ -> utils/, with no
 cycle; read from the source with ast, imports inside functions included (a function-level import is still an
 arrow, only a later one)."""
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("utils", "data", "models")
-SCRIPTS = ("train", "val", "predict", "export")
+SCRIPTS = ("train", "val", "predict", "export", "tune")
 
 
 def project_modules():
