@@ -79,11 +79,12 @@ def main(argv=None):
     try:
         if args.report:
             sweep, settings = Path(args.report), read_settings(Path(args.report))
-            study = open_study(args.storage or settings["storage"], args.study or settings["study"])
+            study = open_study(storage_of(sweep, args.storage, settings), args.study or settings["study"])
         else:
             space = read_space(args.space, args.recipe, args.overrides)
             sweep, settings = claim_sweep(args)
-            study = open_study(settings["storage"], settings["study"], args.seed, create=True, prune=not args.no_prune)
+            study = open_study(storage_of(sweep, args.storage, settings), settings["study"], args.seed, create=True,
+                               prune=not args.no_prune)
             run_sweep(study, space, sweep, settings, args.trials)
         report(study, sweep, settings)
     except UsageError as e:
@@ -157,12 +158,11 @@ def claim_sweep(args):
     name = args.name or f"{Path(args.recipe).stem}-{Path(args.space).stem}"
     sweep = Path(args.project) / name
     settings = {"recipe": args.recipe, "space": Path(args.space).read_text(), "overrides": list(args.overrides),
-                "nproc": args.nproc, "storage": args.storage or f"sqlite:///{(sweep / 'study.db').resolve()}",
-                "study": args.study or name}
+                "nproc": args.nproc, "shared": bool(args.storage), "study": args.study or name}
     settings["metric"] = best_metric(load_recipe(args.recipe, args.overrides))
     if (sweep / "sweep.yaml").exists():
         before = read_settings(sweep)
-        changed = [key for key in settings if key != "storage" and before.get(key) != settings[key]]
+        changed = [key for key in settings if before.get(key) != settings[key]]
         if changed:
             raise UsageError(f"{sweep} holds a sweep of another command (its {', '.join(changed)} differ): give "
                              f"another --name, or the command that started it")
@@ -180,17 +180,34 @@ def read_settings(sweep):
         raise UsageError(f"{sweep}: no sweep.yaml: not a sweep folder of tune.py") from None
 
 
-def open_study(storage, name, seed=0, create=False, prune=True):
+def storage_of(sweep, storage, settings):
+    """The study's storage: --storage where given, else the sweep folder's SQLite file (a shared study's URL is not
+    saved in sweep.yaml: it may hold a password)."""
+    if storage:
+        return storage
+    if settings.get("shared"):
+        raise UsageError(f"{sweep}: its study is in a database of its own: give --storage URL (and --study NAME)")
+    return f"sqlite:///{(sweep / 'study.db').resolve()}"
+
+
+def open_study(storage, name, seed=0, create=False, prune=True, tries=5):
     """The Optuna study (maximising the metric): TPE, median pruning unless not prune; created with the sweep."""
+    from sqlalchemy.exc import SQLAlchemyError
+
     sampler = optuna.samplers.TPESampler(seed=seed)
     pruner = optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1) if prune else optuna.pruners.NopPruner()
-    try:
-        if create:
-            return optuna.create_study(storage=storage, study_name=name, direction="maximize", sampler=sampler,
-                                       pruner=pruner, load_if_exists=True)
-        return optuna.load_study(storage=storage, study_name=name, sampler=sampler, pruner=pruner)
-    except (KeyError, ImportError, ValueError) as e:
-        raise UsageError(f"study {name!r} in {storage}: {e}") from None
+    for attempt in range(tries):
+        try:
+            if create:
+                return optuna.create_study(storage=storage, study_name=name, direction="maximize", sampler=sampler,
+                                           pruner=pruner, load_if_exists=True)
+            return optuna.load_study(storage=storage, study_name=name, sampler=sampler, pruner=pruner)
+        except (KeyError, ImportError, ValueError) as e:
+            raise UsageError(f"study {name!r} in {storage.split('@')[-1]}: {e}") from None
+        except SQLAlchemyError as e:  # workers starting together race to create the database's tables: try again
+            if attempt == tries - 1:
+                raise UsageError(f"study {name!r} in {storage.split('@')[-1]}: {str(e).splitlines()[0]}") from None
+            time.sleep(0.2 * (attempt + 1))
 
 
 def run_sweep(study, space, sweep, settings, trials):
@@ -371,19 +388,21 @@ def write_best(path, trial, settings):
 
 
 def plots(study, sweep):
-    """Optuna's optimisation history and parameter importances, as PNGs (importances need two finished trials)."""
+    """Optuna's optimisation history and, from three finished trials, parameter importances, as PNGs."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from optuna.visualization import matplotlib as optuna_plots
 
+    finished = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
     for name, plot in (("history", optuna_plots.plot_optimization_history),
-                       ("importances", optuna_plots.plot_param_importances)):
-        try:
-            figure = plot(study).figure
-        except (ValueError, RuntimeError, ZeroDivisionError):
+                       ("importances", optuna_plots.plot_param_importances if finished >= 3 else None)):
+        if plot is None:
             continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            figure = plot(study).figure
         figure.tight_layout()
         figure.savefig(sweep / f"{name}.png", dpi=100)
         plt.close(figure)

@@ -363,8 +363,8 @@ def test_a_command_that_cannot_run_here_is_checked_as_far_as_it_can_be(command):
         from torch.distributed.run import get_args_parser
 
         get_args_parser().parse_args(words[start:script + 1])
-    if "--recipe" in words:
-        at = words.index("--recipe") + 1
+    if "--recipe" in words and not words[words.index("--recipe") + 1].startswith("runs/"):  # runs/: a sweep's
+        at = words.index("--recipe") + 1                                                   # best.yaml (test_tune)
         load_recipe(words[at], [w for w in words[at + 1:] if "=" in w], model_check=check_model_name)
     if words and words[0] == "tensorboard":
         from tensorboard import program
