@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 import warnings
+from contextlib import suppress
 from pathlib import Path
 
 import yaml
@@ -85,7 +86,7 @@ def main(argv=None):
             sweep, settings = claim_sweep(args)
             study = open_study(storage_of(sweep, args.storage, settings), settings["study"], args.seed, create=True,
                                prune=not args.no_prune)
-            run_sweep(study, space, sweep, settings, args.trials)
+            run_sweep(study, space, sweep, settings, args.trials, args.seed)
         report(study, sweep, settings)
     except UsageError as e:
         print(f"tune.py: error: {e}", file=sys.stderr)
@@ -93,6 +94,10 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("tune.py: stopped; the same command goes on with the sweep", file=sys.stderr)
         sys.exit(130)
+    except optuna.exceptions.StorageInternalError as e:
+        print(f"tune.py: error: the study's database failed: {str(e).splitlines()[0]}; the same command goes on "
+              f"with the sweep", file=sys.stderr)
+        sys.exit(1)
 
 
 def read_space(path, recipe, overrides):
@@ -210,14 +215,45 @@ def open_study(storage, name, seed=0, create=False, prune=True, tries=5):
             time.sleep(0.2 * (attempt + 1))
 
 
-def run_sweep(study, space, sweep, settings, trials):
+def run_sweep(study, space, sweep, settings, trials, seed=0):
     """Trials until the study holds `trials` that finished, were pruned, failed of their own or are running."""
     retry_dead_trials(study)
     while counted(study) < trials:
-        trial = study.ask(space)
+        trial = study.ask()
         trial.set_user_attr("worker", worker_id())
-        state, value = run_trial(trial, sweep, settings)
+        # Each trial draws from its own seed: workers, and a sweep run again, draw different keys, and the same
+        # --seed draws the same keys for the same trial numbers
+        study.sampler = optuna.samplers.TPESampler(seed=seed + trial.number)
+        for key, distribution in space.items():
+            suggest(trial, key, distribution)
+        try:
+            state, value = run_trial(trial, sweep, settings)
+        except BaseException:  # stopped, or the study's database failed: the trial is run again by whoever goes on
+            with suppress(Exception):
+                cut_off(study, trial.number, trial.params)
+            raise
         study.tell(trial, value, state=getattr(TrialState, state))
+
+
+def suggest(trial, key, distribution):
+    """The trial's value of key (an enqueued trial's own, else the sampler's)."""
+    if isinstance(distribution, od.CategoricalDistribution):
+        return trial.suggest_categorical(key, distribution.choices)
+    if isinstance(distribution, od.IntDistribution):
+        return trial.suggest_int(key, distribution.low, distribution.high, step=distribution.step,
+                                 log=distribution.log)
+    return trial.suggest_float(key, distribution.low, distribution.high, step=distribution.step, log=distribution.log)
+
+
+def cut_off(study, number, params):
+    """Fail a trial that did not end and ask for its keys again, once: only the worker whose tell changed its state
+    enqueues them."""
+    try:
+        study.tell(number, state=TrialState.FAIL)
+    except (ValueError, optuna.exceptions.UpdateFinishedTrialError):  # finished meanwhile: another worker did it
+        return False
+    study.enqueue_trial(params, user_attrs={"retry_of": number})
+    return True
 
 
 def counted(study):
@@ -237,14 +273,18 @@ def started(pid):
         return "?"
 
 
-def retry_dead_trials(study):
-    """Trials left running by a tune.py of this machine that is gone (killed, crashed) are failed and asked again."""
+def retry_dead_trials(study, unclaimed_after=60):
+    """Trials left running by a tune.py of this machine that is gone (killed, crashed), or by one that died before it
+    put its name on the trial, are failed and asked again."""
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        host, pid, start = trial.user_attrs.get("worker", "::").rsplit(":", 2)
-        if host == HOST and pid.isdigit() and started(int(pid)) != start:
-            study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
-            study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
-            print(f"tune.py: trial {trial.number} was cut off (its tune.py, pid {pid}, is gone): running it again")
+        worker = trial.user_attrs.get("worker")
+        if worker is None:
+            dead = time.time() - trial.datetime_start.timestamp() > unclaimed_after
+        else:
+            host, pid, start = worker.rsplit(":", 2)
+            dead = host == HOST and pid.isdigit() and started(int(pid)) != start
+        if dead and cut_off(study, trial.number, trial.params):
+            print(f"tune.py: trial {trial.number} was cut off (its tune.py is gone): running it again")
 
 
 def run_trial(trial, sweep, settings):
@@ -256,9 +296,13 @@ def run_trial(trial, sweep, settings):
     if settings["nproc"] > 1:
         command[1:2] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={settings['nproc']}",
                         str(ROOT / "train.py")]
+    if run.exists():
+        raise UsageError(f"{run} exists, but the study does not know it: the study was replaced; give another --name")
     print(f"{colorstr('tune:')} trial {trial.number}: {shown(trial.params)}", flush=True)
+    parent = os.getpid()
     with open(log, "w") as out, stopping_with_child() as child:
-        child.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        child.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                         preexec_fn=lambda: die_with_parent(parent))
         pruned = watch(child.process, trial, run / "results.csv", settings["metric"])
     scores = [s for s in epoch_scores(run / "results.csv", settings["metric"])]
     if pruned:
@@ -293,13 +337,19 @@ def watch(process, trial, results, metric):
 
 
 def epoch_scores(results, metric):
-    """Each epoch's val metric in a run's results.csv (the better of the weights' and their EMA's)."""
+    """Each epoch's val metric in a run's results.csv (the better of the weights' and their EMA's), up to the first
+    row not yet whole (read while the run appends it)."""
     try:
-        with open(results, newline="") as f:
-            rows = list(csv.DictReader(f))
+        text = Path(results).read_text()
     except OSError:
         return []
-    return [max(float(row[c]) for c in (f"val/{metric}", f"val/ema_{metric}") if row.get(c)) for row in rows]
+    scores = []
+    for row in csv.DictReader(text[: text.rfind("\n") + 1].splitlines()):
+        try:
+            scores.append(max(float(row[c]) for c in (f"val/{metric}", f"val/ema_{metric}") if row.get(c)))
+        except ValueError:  # a row cut short
+            break
+    return scores
 
 
 def last_line(log):
@@ -307,19 +357,22 @@ def last_line(log):
     return lines[-1] if lines else "no output"
 
 
-def die_with_parent():
-    """In the trial's process: ask Linux for a SIGTERM when tune.py dies, so that a killed sweep leaves no run."""
+def die_with_parent(parent):
+    """In the trial's process: ask Linux for a SIGTERM when tune.py dies, so that a killed sweep leaves no run (and
+    if it died already, while this process started, stop now)."""
     import ctypes
 
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
-        pass
+        return
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class stopping_with_child:
     """While a trial runs, a SIGTERM to tune.py is passed to the trial (which saves and stops), then tune.py stops;
-    Ctrl-C reaches both from the terminal. The trial is then failed and asked again by the next run."""
+    Ctrl-C reaches both from the terminal. On any error the trial is stopped and waited for."""
 
     process = None
 
@@ -334,12 +387,11 @@ class stopping_with_child:
 
     def __exit__(self, kind, *_):
         signal.signal(signal.SIGTERM, self.previous)
-        if kind is KeyboardInterrupt and self.process is not None:
+        if kind is not None and self.process is not None:
             if self.process.poll() is None:  # a Ctrl-C from the terminal reached it too; this makes sure
                 self.process.send_signal(signal.SIGTERM)
             self.process.wait()
-            print("tune.py: stopped; the same command goes on with the sweep", file=sys.stderr)
-            sys.exit(130)
+        return False
 
 
 def report(study, sweep, settings):
@@ -368,11 +420,12 @@ def write_trials_csv(path, trials):
     keys = sorted({k for t in trials for k in t.params})
     with atomic_write(path) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["trial", "state", "value", *keys, "seconds", "error"])
+        writer.writerow(["trial", "state", "value", *keys, "seconds", "retry_of", "error"])
         for t in trials:
             seconds = (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete else ""
             writer.writerow([t.number, t.state.name, "" if t.value is None else t.value,
-                             *(t.params.get(k, "") for k in keys), seconds, t.user_attrs.get("error", "")])
+                             *(t.params.get(k, "") for k in keys), seconds, t.user_attrs.get("retry_of", ""),
+                             t.user_attrs.get("error", "")])
 
 
 def write_best(path, trial, settings):

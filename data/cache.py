@@ -20,6 +20,7 @@ cropped by decode_crop, here beside it. device_batches does it for a loader, eac
 before it runs.
 """
 
+import functools
 import math
 import mmap
 import queue
@@ -292,7 +293,7 @@ def device_batches(loader, device, spec):
     is not reused while the step reads them. An error in the loader or the preparation is raised here, in the
     training loop, as it was raised. Costs up to two batches on the device beyond the one training. Use as a
     context manager (or close it): leaving the loop early stops the thread before the loader is used again."""
-    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    stream = side_stream(device) if device.type == "cuda" else None
     ready, stop = queue.Queue(maxsize=1), threading.Event()
     worker = threading.Thread(target=prepare_batches, args=(loader, device, spec, stream, ready, stop), daemon=True,
                               name="device_batches")
@@ -314,6 +315,13 @@ def device_batches(loader, device, spec):
             with suppress(queue.Empty):
                 ready.get(timeout=0.1)
             worker.join(timeout=0.1)
+
+
+@functools.cache
+def side_stream(device):
+    """One side stream per device for all epochs: the caching allocator keeps freed memory for reuse on the stream
+    that allocated it, so a new stream each epoch would strand the last one's."""
+    return torch.cuda.Stream(device)
 
 
 def prepare_batches(loader, device, spec, stream, ready, stop):

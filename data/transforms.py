@@ -216,7 +216,7 @@ def resize_weights(start, length, out_size, in_size):
     centre = start + scale * (torch.arange(out_size, device=start.device, dtype=torch.float64)[:, None] + 0.5)
     pixel = torch.arange(in_size, device=start.device, dtype=torch.float64) + 0.5
     weight = (1 - ((pixel - centre) * stretch).abs()).clamp_(min=0) * ((pixel > start) & (pixel < start + length))
-    return (weight / weight.sum(2, keepdim=True)).float()
+    return (weight / weight.sum(2, keepdim=True).clamp_(min=1e-12)).float()  # a span with no pixel centre: zeros
 
 
 def auto_augment(cfg):

@@ -110,7 +110,8 @@ def test_a_sweep_killed_mid_trial_goes_on_with_the_same_command(space, tmp_path)
     assert "trial 0 was cut off" in result.stdout
     trials = read_trials(sweep)
     assert [t["state"] for t in trials] == ["FAIL", "COMPLETE", "COMPLETE"]
-    assert trials[2]["optim.lr"] == trials[0]["optim.lr"]  # trial 0 ran again, as trial 2
+    assert trials[1]["retry_of"] == "0" and trials[1]["optim.lr"] == trials[0]["optim.lr"]  # trial 0 ran again
+    assert trials[2]["optim.lr"] != trials[0]["optim.lr"]  # a new trial draws new keys (its own seed)
     assert "2 trials" not in result.stdout and "3 trials (2 complete, 1 fail)" in result.stdout
 
 
@@ -162,6 +163,29 @@ def test_nproc_runs_each_trial_under_torchrun(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert [t["state"] for t in read_trials(tmp_path / "cls-lr")] == ["COMPLETE"]
     assert "train: 2 process(es) on cpu" in (tmp_path / "cls-lr" / "logs" / "trial-0.txt").read_text()
+
+
+def test_scores_stop_at_a_row_the_run_is_still_writing(tmp_path):
+    results = tmp_path / "results.csv"
+    results.write_text("epoch,val/loss,val/top1,val/ema_top1\n1,0.5,0.8,0.85\n2,0.4,0.9,\n3,0.3,0.9")  # row 3: cut
+    assert tune.epoch_scores(results, "top1") == [0.85, 0.9]
+    results.write_text("epoch,val/loss,val/top1\n1,0.5,0.8\n2,0.4,\n3,0.3,0.9\n")  # a row without its metric
+    assert tune.epoch_scores(results, "top1") == [0.8]
+
+
+def test_a_cut_off_trial_is_asked_again_once_and_an_unclaimed_one_too(tmp_path):
+    import optuna
+
+    study = tune.open_study(f"sqlite:///{tmp_path / 'study.db'}", "s", create=True)
+    trial = study.ask({"optim.lr": optuna.distributions.FloatDistribution(0.01, 0.1)})
+    assert tune.cut_off(study, trial.number, trial.params)
+    assert not tune.cut_off(study, trial.number, trial.params)  # a second worker finds it done
+    waiting = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    assert len(waiting) == 1 and waiting[0].user_attrs == {"retry_of": 0}
+    unclaimed = study.ask({"optim.lr": optuna.distributions.FloatDistribution(0.01, 0.1)})  # the retry, no worker
+    tune.retry_dead_trials(study, unclaimed_after=0)
+    states = {t.number: t.state.name for t in study.get_trials()}
+    assert states == {0: "FAIL", 1: "FAIL", 2: "WAITING"} and unclaimed.number == 1
 
 
 def test_workers_starting_together_both_open_the_new_study(tmp_path):
