@@ -84,7 +84,7 @@ def main(argv=None):
         else:
             space = read_space(args.space, args.recipe, args.overrides)
             sweep, settings = claim_sweep(args)
-            study = open_study(storage_of(sweep, args.storage, settings), settings["study"], args.seed, create=True,
+            study = open_study(storage_of(sweep, args.storage, settings), settings["study"], create=True,
                                prune=not args.no_prune)
             run_sweep(study, space, sweep, settings, args.trials, args.seed)
         report(study, sweep, settings)
@@ -195,11 +195,12 @@ def storage_of(sweep, storage, settings):
     return f"sqlite:///{(sweep / 'study.db').resolve()}"
 
 
-def open_study(storage, name, seed=0, create=False, prune=True, tries=5):
-    """The Optuna study (maximising the metric): TPE, median pruning unless not prune; created with the sweep."""
+def open_study(storage, name, create=False, prune=True, tries=5):
+    """The Optuna study (maximising the metric): TPE (run_sweep seeds it per trial), median pruning unless not prune;
+    created with the sweep."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    sampler = optuna.samplers.TPESampler(seed=seed)
+    sampler = optuna.samplers.TPESampler()
     pruner = optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1) if prune else optuna.pruners.NopPruner()
     for attempt in range(tries):
         try:
@@ -219,13 +220,7 @@ def run_sweep(study, space, sweep, settings, trials, seed=0):
     """Trials until the study holds `trials` that finished, were pruned, failed of their own or are running."""
     retry_dead_trials(study)
     while counted(study) < trials:
-        trial = study.ask()
-        trial.set_user_attr("worker", worker_id())
-        # Each trial draws from its own seed: workers, and a sweep run again, draw different keys, and the same
-        # --seed draws the same keys for the same trial numbers
-        study.sampler = optuna.samplers.TPESampler(seed=seed + trial.number)
-        for key, distribution in space.items():
-            suggest(trial, key, distribution)
+        trial = ask(study, space, seed)
         try:
             state, value = run_trial(trial, sweep, settings)
         except BaseException:  # stopped, or the study's database failed: the trial is run again by whoever goes on
@@ -233,6 +228,18 @@ def run_sweep(study, space, sweep, settings, trials, seed=0):
                 cut_off(study, trial.number, trial.params)
             raise
         study.tell(trial, value, state=getattr(TrialState, state))
+
+
+def ask(study, space, seed):
+    """A new trial of the study, named as this worker's, its keys drawn (or an enqueued trial's own) from a sampler
+    seeded by seed + its number: workers, and a sweep run again, draw different keys, and the same seed draws the
+    same keys for the same trial number."""
+    trial = study.ask()
+    trial.set_user_attr("worker", worker_id())
+    study.sampler = optuna.samplers.TPESampler(seed=seed + trial.number)
+    for key, distribution in space.items():
+        suggest(trial, key, distribution)
+    return trial
 
 
 def suggest(trial, key, distribution):
@@ -304,7 +311,7 @@ def run_trial(trial, sweep, settings):
         child.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                          preexec_fn=lambda: die_with_parent(parent))
         pruned = watch(child.process, trial, run / "results.csv", settings["metric"])
-    scores = [s for s in epoch_scores(run / "results.csv", settings["metric"])]
+    scores = epoch_scores(run / "results.csv", settings["metric"])
     if pruned:
         print(f"  pruned after epoch {len(scores)}: {max(scores):.4f}; {short_path(run)}")
         return "PRUNED", None
@@ -448,11 +455,10 @@ def plots(study, sweep):
     import matplotlib.pyplot as plt
     from optuna.visualization import matplotlib as optuna_plots
 
-    finished = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-    for name, plot in (("history", optuna_plots.plot_optimization_history),
-                       ("importances", optuna_plots.plot_param_importances if finished >= 3 else None)):
-        if plot is None:
-            continue
+    wanted = {"history": optuna_plots.plot_optimization_history}
+    if len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))) >= 3:
+        wanted["importances"] = optuna_plots.plot_param_importances
+    for name, plot in wanted.items():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             figure = plot(study).figure

@@ -63,7 +63,7 @@ def main():
               f"time beside the epochs: a finished trial's median {statistics.median(outside):.1f} s (range "
               f"{min(outside):.1f}-{max(outside):.1f}, {len(finished)} trials), a plain train.py launch's median "
               f"{statistics.median(plain):.1f} s (range {min(plain):.1f}-{max(plain):.1f}, 3 launches)")
-        print(open(sweep / "best.yaml").read().strip())
+        print((sweep / "best.yaml").read_text().strip())
         scores = {"best.yaml": [], "cls.yaml": []}
         for seed in range(args.seeds):
             for name, recipe in (("best.yaml", sweep / "best.yaml"), ("cls.yaml", "cls.yaml")):

@@ -130,19 +130,20 @@ def test_padded_windows_of_a_list_read_zeros_outside_each_image():
     assert (crops[1, :, :4] == 100).all() and (crops[1, :, 4:] == 0).all()  # below the shorter image: zeros
 
 
-def test_device_batches_hands_over_every_batch_in_order_and_ends():
+@pytest.mark.parametrize("ahead", [None, True])  # a CPU's default, in line; the thread CUDA takes by default
+def test_device_batches_hands_over_every_batch_in_order_and_ends(ahead):
     loader = [(torch.full((2, 3, 4, 4), i, dtype=torch.uint8), torch.tensor([i, i])) for i in range(5)]
-    got = list(device_batches(loader, torch.device("cpu"), CropSpec(4, (1.0, 1.0), 0, 0)))
+    got = list(device_batches(loader, torch.device("cpu"), CropSpec(4, (1.0, 1.0), 0, 0), ahead))
     assert [int(targets[0]) for _, targets in got] == [0, 1, 2, 3, 4]
     assert all(torch.equal(images, batch[0]) for (images, _), batch in zip(got, loader))
-    assert list(device_batches([], torch.device("cpu"), None)) == []
+    assert list(device_batches([], torch.device("cpu"), None, ahead)) == []
 
 
 def test_device_batches_raises_the_loaders_error_in_the_training_loop():
     def loader():
         yield torch.zeros(1, 3, 4, 4, dtype=torch.uint8), torch.tensor([0])
         raise OSError("image 7 is damaged")
-    batches = device_batches(loader(), torch.device("cpu"), None)
+    batches = device_batches(loader(), torch.device("cpu"), None, ahead=True)
     next(batches)
     with pytest.raises(OSError, match="image 7 is damaged"):
         next(batches)
@@ -157,7 +158,7 @@ def test_closing_device_batches_stops_its_thread_one_batch_ahead_at_most():
             taken.append(i)
             yield torch.zeros(1, 3, 4, 4, dtype=torch.uint8), torch.tensor([i])
             i += 1
-    batches = device_batches(loader(), torch.device("cpu"), None)
+    batches = device_batches(loader(), torch.device("cpu"), None, ahead=True)
     assert [int(next(batches)[1]) for _ in range(3)] == [0, 1, 2]
     batches.close()
     assert not [t for t in threading.enumerate() if t.name == "device_batches"]

@@ -188,6 +188,17 @@ def test_a_cut_off_trial_is_asked_again_once_and_an_unclaimed_one_too(tmp_path):
     assert states == {0: "FAIL", 1: "FAIL", 2: "WAITING"} and unclaimed.number == 1
 
 
+def test_each_trial_draws_from_its_own_seed(tmp_path):
+    """The same seed draws the same keys for the same trial number, in another study too; trials differ."""
+    space = tune.read_space(ROOT / "spaces" / "cls.yaml", "cls.yaml", [])
+    drawn = []
+    for k, seed in enumerate((0, 0, 1)):
+        study = tune.open_study(f"sqlite:///{tmp_path / f'study{k}.db'}", "s", create=True)
+        drawn.append([tune.ask(study, space, seed).params for _ in range(3)])
+    assert drawn[0] == drawn[1]
+    assert len({tuple(p.values()) for p in drawn[0]}) == 3 and drawn[2] != drawn[0]
+
+
 def test_workers_starting_together_both_open_the_new_study(tmp_path):
     """Two workers creating one SQLite study at once race to create its tables; the later one tries again."""
     for k in range(8):
