@@ -20,6 +20,7 @@ per image (data.cache=none), and one with the RAM cache where it fits in half th
     python benchmarks/scale.py [--images 20000] [--small 5000,10000] [--procs 1,2,4] [--data datasets/scale]
     python benchmarks/scale.py --quick        # a smoke run at a small size: a few minutes
     python benchmarks/scale.py --only memory  # the listing's memory per image alone (--listing, --workers)
+    python benchmarks/scale.py --only startup # start-up and memory at the --listing sizes alone
 """
 
 import argparse
@@ -245,7 +246,7 @@ def summary(records, cores):
     launched = records[0]["launched"]
     built = [s[1] for s in spans(records, "training_datasets")]
     listing = [e - s for s, e in spans(records, "train_val_datasets")]
-    checks = [e - s for stage in ("image_list", "open_cache") for s, e in spans(records, stage)]
+    checks = [e - s for stage in ("fingerprint", "open_cache") for s, e in spans(records, stage)]
     writes = {role: [w for r in records for w in r["writes"] if w["role"] == role] for role in ("train", "val")}
     reads = [r["read"] for r in records if r.get("read")]
     data = records[0]["data"]
@@ -439,16 +440,16 @@ def startup_estimates(results, labels, sizes, total):
 
 
 def memory_estimates(results, labels, sizes, total):
-    """{'N=2, own, built': bytes, ...}: how much a process's own memory with the JPEG cache present grows from the
-    largest size measured to `total` images, for each launch shape, once its datasets are built and at its end, by
-    its fit's worst honest value (Fit.highest)."""
+    """{'N=2, own, built': bytes, ...}: how much more of its own memory a process holds with the JPEG cache present
+    at `total` images than at the smallest size measured, for each launch shape, once its datasets are built and at
+    its end, by its fit's worst honest value (Fit.highest): what the data's size adds, whatever sizes were measured."""
     estimates = {}
     for label in labels:
         runs = [results.get((label, size, "jpeg")) or {} for size in sizes]
         for key, name in (("built_anon", "own, built"), ("anon", "own, at end")):
             line = fit([(size, r.get(key)) for size, r in zip(sizes, runs)])
             if line:
-                estimates[f"{label}, {name}"] = line.highest(total) - line.points[-1][1]
+                estimates[f"{label}, {name}"] = line.highest(total) - line.points[0][1]
     return estimates
 
 
@@ -473,24 +474,26 @@ def verdict(estimates, goal):
     return estimates[name], name, "met" if estimates[name] < goal else "NOT MET"
 
 
-def extrapolate(bench, sizes):
+def extrapolate(bench, sizes, startup):
     """Each figure at ImageNet's size on 8 ranks per machine, with its formula, its fit's spread, whether it is
-    measured or assumed, and what bounds it."""
+    measured or assumed, and what bounds it: start-up and memory from startup (the launches at listing sizes), the
+    rest from bench (the photos at sizes)."""
     args, results, cores = bench.args, bench.results, bench.cores
-    large = sizes[-1]
-    measured_at = ", ".join(f"{size:,}" for size in sizes)
+    large = sizes[-1] if sizes else None  # no photos: start-up and memory alone (--only startup)
+    measured_at = ", ".join(f"{size:,}" for size in startup.sizes)
     total = IMAGENET + IMAGENET_VAL
     print(f"\nImageNet: {IMAGENET:,} train + {IMAGENET_VAL:,} val images, {IMAGENET_BYTES / 1e9:.0f} GB of JPEGs, "
           f"{RANKS} ranks per machine; measured on {cores} cores (shared with other work: figures vary run to run)")
     local = [(label, n) for label, n, nodes in shapes(args) if nodes == 1]
 
-    def got(label, size, cache):
+    def got(label, size, cache, results=results):
         r = results.get((label, size, cache))
         return r if r and "skipped" not in r else None
 
-    print("\n1. Listing and checks at start-up (each rank lists the folders itself; cache present):")
+    print(f"\n1. Listing and checks at start-up (each rank lists the folders itself; cache present) [measured at "
+          f"{startup.sizes[-1]:,} images]:")
     for label, _ in local:
-        r = got(label, large, "jpeg")
+        r = got(label, startup.sizes[-1], "jpeg", startup.results)
         if r and r["listing"] is not None:
             per = r["listing"] / (r["images"] + r["val"])
             checks = (r["checks"] or 0) / (r["images"] + r["val"])
@@ -507,7 +510,7 @@ def extrapolate(bench, sizes):
           f"sizes, never below a value measured:")
     for label, _ in local:
         for key, name in (("built", "datasets built"), ("first_step", "first step")):
-            line = fit([(size, (got(label, size, "jpeg") or {}).get(key)) for size in sizes])
+            line = fit([(size, (got(label, size, "jpeg", startup.results) or {}).get(key)) for size in startup.sizes])
             if line:
                 print(f"  {label} {name:15s}: {line.a:5.1f} s + {line.b * 1e6:6.1f} us x images -> at {total:,}: "
                       f"fitted {line.at(total):5.0f} s, highest {line.highest(total):5.0f} s; "
@@ -517,9 +520,10 @@ def extrapolate(bench, sizes):
           f"each take the slope of a launch whose ranks each have a core (N <= {cores}); ranks sharing cores take "
           f"it times ranks per core")
 
-    print(f"\n3. Writing the JPEG cache (first launch) [measured: on {cores} cores, the photos read from the page cache, "
-          f"as they were just written; assumed: the rate per core on every core of a larger machine, and the disk's "
-          f"read speed, --disk-gbs]:")
+    if sizes:
+        print(f"\n3. Writing the JPEG cache (first launch) [measured: on {cores} cores, the photos read from the page "
+              f"cache, as they were just written; assumed: the rate per core on every core of a larger machine, and "
+              f"the disk's read speed, --disk-gbs]:")
     best = None
     for label, n in local:
         r = got(label, large, "jpeg write")
@@ -549,20 +553,21 @@ def extrapolate(bench, sizes):
           f"(high-water mark, torch's libraries included), the process's own (anonymous) memory once its datasets are "
           f"built and at its end, after decoding batches; workers apart:")
     for label, _ in local:
-        runs = [got(label, size, "jpeg") or {} for size in sizes]
+        runs = [got(label, size, "jpeg", startup.results) or {} for size in startup.sizes]
         for key, name in (("peak", "peak"), ("built_anon", "own, built"), ("anon", "own, at end"),
                           ("workers_peak", "workers' peak")):
-            points = [(size, r.get(key)) for size, r in zip(sizes, runs)]
+            points = [(size, r.get(key)) for size, r in zip(startup.sizes, runs)]
             line = fit(points)
             if line and points[-1][1]:
                 values = ", ".join(mb(y) for _, y in line.points)
                 print(f"  {label} {name:14s}: {values}: {line.b:+.0f} B per image -> at {total:,}: fitted "
                       f"{mb(line.at(total))}, highest {mb(line.highest(total))}; "
                       f"{line.spread(lambda r: f'{r / 1e6:+.1f} MB', lambda b: f'{b:.0f} B')}")
-    print("  bound: what grows is per-image bookkeeping (file lists, labels, the cache's index: some hundreds of bytes "
-          "an image); the images stay in the page cache, shared by every process on the machine and read a batch at "
-          "a time. At the end, memory the allocator kept from decoding batches adds tens of MB that differ from "
-          "launch to launch, whatever the data's size")
+    print("  bound: what grows is per-image bookkeeping: the file list (36 B an ImageNet image) and what the allocator "
+          "kept of the memory listing freed; the cache's index is read from the file's pages (the page cache's one "
+          "copy per machine), and the images stay in the page cache, read a batch at a time. At the end, memory the "
+          "allocator kept from decoding batches adds tens of MB that differ from launch to launch, whatever the "
+          "data's size")
     for label, _ in local:
         for size in (*sizes, mnist_name(args)):
             r = got(label, size, "ram")
@@ -573,7 +578,8 @@ def extrapolate(bench, sizes):
                       f"-> ImageNet photos ({mb(bench.ram_per_image)} each as stored) x {total:,} = "
                       f"{bench.ram_per_image * total / 1e9:.0f} GB per process, x {RANKS} ranks: data.cache=jpeg")
 
-    print("\n5. Read throughput per path (each rank reads its loader with no model; crops of 176 px):")
+    if sizes:
+        print("\n5. Read throughput per path (each rank reads its loader with no model; crops of 176 px):")
     for cache, bound in (("none", "PIL decodes and crops each file (workers)"),
                          ("jpeg", "decode_jpeg and an antialiased resize per image (workers)"),
                          ("ram", "gathering and cropping per batch")):
@@ -586,31 +592,32 @@ def extrapolate(bench, sizes):
                     break
 
 
-def goals(bench, sizes):
+def goals(bench, sizes, startup):
     """The issue's three goals at ImageNet's size on 8 ranks, each with the verdict its worst honest estimate gives:
     the highest over launch shapes (every N on one machine) and ways of estimating, not a favourable one."""
     total, args = IMAGENET + IMAGENET_VAL, bench.args
     labels = [label for label, _, nodes in shapes(args) if nodes == 1]
     print(f"\nGoals, extrapolated to ImageNet on {RANKS} ranks; each verdict is its worst honest estimate's, over "
           f"{', '.join(labels)} and every way of estimating:")
-    estimates = startup_estimates(bench.results, labels, sizes, total)
+    estimates = startup_estimates(startup.results, labels, startup.sizes, total)
     if estimates:
         worst, name, said = verdict(estimates, STARTUP_GOAL)
-        print(f"  launch to the first step, cache present [measured at {', '.join(f'{n:,}' for n in sizes)} images, "
+        print(f"  launch to the first step, cache present [measured at "
+              f"{', '.join(f'{n:,}' for n in startup.sizes)} images, "
               f"extrapolated]: {seconds_each(estimates)}: worst {worst:.0f} s ({name}; goal: under {STARTUP_GOAL} s): "
               f"{said}")
-    estimates = cache_write_estimates(bench.results, labels, sizes[-1], args.disk_gbs, bench.cores)
+    estimates = cache_write_estimates(bench.results, labels, sizes[-1], args.disk_gbs, bench.cores) if sizes else {}
     if estimates:
         worst, name, said = verdict(estimates, WRITE_GOAL)
         print(f"  the JPEG cache on 64 cores with local NVMe [measured: img/s per core on {bench.cores} cores, the "
               f"photos in the page cache; assumed: that rate on each of 64 cores, a {args.disk_gbs:g} GB/s disk read "
               f"alongside]: {seconds_each(estimates)}: worst {worst:.0f} s ({name}; goal: under {WRITE_GOAL} s): "
               f"{said}")
-    estimates = memory_estimates(bench.results, labels, sizes, total)
+    estimates = memory_estimates(startup.results, labels, startup.sizes, total)
     if estimates:
         worst, name, said = verdict(estimates, MEMORY_GOAL)
-        print(f"  memory per process with the JPEG cache, growth from {sizes[-1]:,} images to ImageNet's size "
-              f"[measured at {', '.join(f'{n:,}' for n in sizes)} images, extrapolated]: "
+        print(f"  memory per process with the JPEG cache, at ImageNet's size over at {startup.sizes[0]:,} images "
+              f"[measured at {', '.join(f'{n:,}' for n in startup.sizes)} images, extrapolated]: "
               f"{', '.join(f'{key} +{mb(value)}' for key, value in estimates.items())}: worst +{mb(worst)} ({name}; "
               f"goal: independent of the data's size, read as under +{mb(MEMORY_GOAL)} [assumed]): {said}")
 
@@ -627,22 +634,21 @@ def listing_root(data, count, classes=1000):
     root = data / f"listing-{count}"
     if (root / "done").is_file():
         return root
-    tmp = root.with_name(f".{root.name}.tmp-{os.getpid()}")
-    (tmp / "images").mkdir(parents=True)
-    for i in range(count + 1):
-        if i % LINKS == 0:
-            image = tmp / "images" / f"{i}.JPEG"
-            Image.new("RGB", (8, 8)).save(image)
-        synset = f"n{1440764 + 7919 * (i % classes):08d}"
-        path = tmp / "train" / synset / f"{synset}_{10000 + i // classes}.JPEG"
-        if i == count:  # the one val image
-            path = tmp / "val" / synset / path.name
-        if i < classes or i == count:
-            path.parent.mkdir(parents=True)
-        os.link(image, path)
-    shutil.rmtree(tmp / "images")
-    (tmp / "done").touch()
-    os.replace(tmp, root)
+    with atomic_write(root) as tmp:
+        (tmp / "images").mkdir(parents=True)
+        for i in range(count + 1):
+            if i % LINKS == 0:
+                image = tmp / "images" / f"{i}.JPEG"
+                Image.new("RGB", (8, 8)).save(image)
+            synset = f"n{1440764 + 7919 * (i % classes):08d}"
+            path = tmp / "train" / synset / f"{synset}_{10000 + i // classes}.JPEG"
+            if i == count:  # the one val image
+                path = tmp / "val" / synset / path.name
+            if i < classes or i == count:
+                path.parent.mkdir(parents=True)
+            os.link(image, path)
+        shutil.rmtree(tmp / "images")
+        (tmp / "done").touch()
     return root
 
 
@@ -653,10 +659,12 @@ def listing_memory(args, work):
     of args.workers workers a machine."""
     total, w = IMAGENET + IMAGENET_VAL, args.workers
     print(f"\nMemory per process per listed image, data.cache=jpeg, {w} DataLoader workers: each size's train listing "
-          f"(ImageNet's file names, hard links to one tiny JPEG) built by train.py's code and held in a JpegImages with "
-          f"an index of as many rows; each worker reads (path, target) of its share of a shuffled epoch and collects "
-          f"garbage; USS (the process's own pages) and PSS from /proc/PID/smaps_rollup, the main process's once its "
-          f"workers are gone:", flush=True)
+          f"(ImageNet's file names, hard links to one tiny JPEG) built by train.py's code and held in a JpegImages "
+          f"over a cache file of as many index rows (no images); each worker reads (path, target) and the index row "
+          f"of its share of a shuffled epoch and collects garbage; from /proc/PID/smaps_rollup: the main process's "
+          f"own (anonymous) memory and USS (pages no other process maps, the index's file pages included), once its "
+          f"workers are gone; each worker's USS (the pages it copied: a forked worker's anonymous memory counts what "
+          f"it shares with its process) and PSS:", flush=True)
     rows, main, workers = [], [], []
     for count in args.listing:
         root = listing_root(args.data, count)
@@ -665,11 +673,11 @@ def listing_memory(args, work):
         if not records:
             return print(f"  {count:,} images: the probe failed")
         r = records[0]
-        main.append((count, r["end"]["uss"]))
+        main.append((count, r["end"]["anon"]))
         workers.append((count, max(m["uss"] for m in r["workers"])))
-        rows.append([f"{count:,}", mb(r["built"]["uss"]), mb(r["end"]["uss"]), mb(r["end"]["pss"]),
+        rows.append([f"{count:,}", mb(r["built"]["anon"]), mb(r["end"]["anon"]), mb(r["end"]["uss"]),
                      ", ".join(mb(m["uss"]) for m in r["workers"]), ", ".join(mb(m["pss"]) for m in r["workers"])])
-    print(format_table(["images", "main USS, built", "main USS, end", "main PSS, end", "workers' USS",
+    print(format_table(["images", "main own, built", "main own, end", "main USS, end", "workers' USS",
                         "workers' PSS"], rows))
     fits = {"main process": fit(main), "each worker": fit(workers)}
     if None in fits.values():
@@ -684,6 +692,47 @@ def listing_memory(args, work):
           f"machine of {RANKS} ranks x {w} workers: {RANKS} x ({per_image['main process']:.0f} + {w} x "
           f"{per_image['each worker']:.0f}) B x {total:,} = {size_text(RANKS * rank * total)} more than an empty "
           f"listing's (goal: independent of the data's size)")
+
+
+def startup_at_scale(args, work):
+    """The Bench of start-up and memory with the JPEG cache present at each of args.listing sizes (ImageNet's file
+    names, hard links to tiny JPEGs: what start-up does per image is listing, stat'ing and indexing files, never
+    decoding them, so names are what it needs, and sizes 16 times apart are what this disk holds): each size's cache
+    written once, then each N of args.procs launched args.repeats times, sizes alternated; its results are the
+    means of the repeats, by (label, size, "jpeg")."""
+    bench, roots = Bench(args, work / "startup"), [(listing_root(args.data, n), n) for n in args.listing]
+    writer = max(args.procs)
+    print(f"\nStart-up and memory at {', '.join(f'{n:,}' for n in args.listing)} images (ImageNet's file names in "
+          f"1,000 class folders, hard links to 8x8 JPEGs), data.cache=jpeg: each cache written once at N={writer}, "
+          f"then each launch {args.repeats} times with the cache present, sizes alternated:", flush=True)
+    for root, n in roots:
+        bench.run(f"N={writer}", writer, 1, root, "jpeg write", work / "startup" / f"cache-{n}", n)
+    repeats = []
+    for _ in range(args.repeats):
+        for label, nproc, nodes in shapes(args):
+            if nodes == 1:
+                for root, n in roots:
+                    bench.run(label, nproc, 1, root, "jpeg", work / "startup" / f"cache-{n}", n)
+        repeats.append(dict(bench.results))
+    bench.results = {key: mean_of([r.get(key) for r in repeats]) for key in repeats[-1]}
+    bench.sizes = list(args.listing)
+    if not args.keep_caches:
+        for n in args.listing:
+            shutil.rmtree(work / "startup" / f"cache-{n}", ignore_errors=True)
+    return bench
+
+
+def mean_of(results):
+    """The mean of launches' summaries (None: a failed launch, left out; all failed: None)."""
+    done = [r for r in results if r is not None]
+    if not done:
+        return None
+    merged = {}
+    for key in done[0]:
+        values = [r.get(key) for r in done]
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        merged[key] = sum(values) / len(values) if numbers and len(set(values)) > 1 else values[0]
+    return merged
 
 
 def digits_invariance(bench, nproc):
@@ -738,10 +787,13 @@ def options():
     parser.add_argument("--disk-gbs", type=float, default=2.0, help="disk read speed for the extrapolation, GB/s")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds a launch may take")
     parser.add_argument("--keep-caches", action="store_true", help="leave the JPEG caches in --data/work")
-    parser.add_argument("--listing", default="20000,80000,320000",
-                        help="listing sizes of the memory stage (three or more)")
+    parser.add_argument("--listing", default="80000,320000,1281167",
+                        help="file counts of the memory and start-up stages (three or more)")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers of the memory stage")
-    parser.add_argument("--only", choices=["memory"], help="run one stage alone: memory (the listing's memory)")
+    parser.add_argument("--repeats", type=int, default=2, help="launches of each N and size of the start-up stage")
+    parser.add_argument("--only", choices=["memory", "startup"],
+                        help="run one stage alone: memory (the listing's memory), startup (start-up and memory at "
+                             "--listing sizes)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 600 images, 1 and 2 processes")
     args = parser.parse_args()
     if args.quick:
@@ -762,6 +814,11 @@ def main():
     shutil.rmtree(work, ignore_errors=True)  # this script's own caches and runs of an earlier run
     if args.only == "memory":
         return listing_memory(args, work)
+    if args.only == "startup":
+        startup = startup_at_scale(args, work)
+        table(startup)
+        extrapolate(Bench(args, work), [], startup)
+        return goals(Bench(args, work), [], startup)
     manifest = imagenet_like(args.data / f"imagenet-like-{args.images}", args.images, args.classes)
     large = (args.data / f"imagenet-like-{args.images}", manifest)
     roots = [first_of(large[0], manifest, count) for count in args.small] + [large]
@@ -785,8 +842,11 @@ def main():
     measure(bench, roots, mnist_root)
     print()
     table(bench)
-    extrapolate(bench, sizes)
-    goals(bench, sizes)
+    startup = startup_at_scale(args, work)
+    print()
+    table(startup)
+    extrapolate(bench, sizes, startup)
+    goals(bench, sizes, startup)
     listing_memory(args, work)
     digits_invariance(bench, args.invariance_procs)
     print(f"\n{bench.count} launches in {time.time() - start:.0f} s; data in {short_path(args.data)} "

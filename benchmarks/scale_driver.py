@@ -13,12 +13,12 @@ leaves. Times are seconds since the epoch, the launch's own (SCALE_LAUNCHED_AT) 
 
 digits: as tests/n_invariance.py, on the embedded digits with a global batch of BATCH, into PROJECT/<data.cache>.
 
-listing-memory: ROOT's training set listed as train.py lists it, held as data.cache=jpeg holds it (JpegImages, with
-an index of as many rows and no file), read by a DataLoader of WORKERS forked workers that each take one batch, its
-share of a shuffled epoch: each worker reads every one of its samples' (path, target), as the per-image path's
-workers do, and collects garbage, as a worker's full collection does, then reports its own memory; the main process
-reports its own once the workers are gone (while they live, the pages they share with it are not its own). One line
-`SCALE {json}`.
+listing-memory: ROOT's training set listed as train.py lists it, held as data.cache=jpeg holds it (JpegImages over
+a cache file of as many index rows and no images), read by a DataLoader of WORKERS forked workers that each take one
+batch, its share of a shuffled epoch: each worker reads every one of its samples' (path, target) and index row, as
+the workers read a batch's, and collects garbage, as a worker's full collection does, then reports its own memory;
+the main process reports its own once the workers are gone (while they live, the pages they share with it are not
+its own). One line `SCALE {json}`.
 """
 
 import functools
@@ -28,6 +28,7 @@ import os
 import socket
 import sys
 import time
+import zlib
 from pathlib import Path
 
 STARTED = time.time()  # before torch is imported: the interpreter's own start is in the launch's time
@@ -44,7 +45,7 @@ from utils.general import LOCAL_RANK, RANK, WORLD_SIZE  # noqa: E402
 IMPORTED = time.time()
 STAGES = {"data.datasets": ("training_data", "training_datasets", "train_val_datasets", "jpeg_datasets",
                             "cached_datasets"),
-          "data.jpeg_cache": ("cache", "write_shared", "image_list", "open_cache")}
+          "data.jpeg_cache": ("cache", "write_shared", "fingerprint", "open_cache")}
 # 37 images in the test; the digits' 1,437 here. GroupNorm and no dropout: nothing depends on how a batch is split.
 DIGITS = ["train.epochs=1", "model.width=4", "model.depth=2", "model.norm=group", "model.dropout=0",
           "data.img_size=8", "data.scale=[0.3,1.0]", "data.hflip=0.5", "data.workers=0", "train.log_every_steps=1"]
@@ -80,8 +81,9 @@ def timed(name, original):
         if name == "training_data":
             seen["loader"] = next((x for x in result if isinstance(x, torch.utils.data.DataLoader)), None)
             seen["spec"] = crop_spec_of(args)
-        if name == "training_datasets":
+        if name == "training_data":
             record["built_anon"] = memory()["anon"]  # the data's bookkeeping, before any batch is decoded
+        if name == "training_datasets":
             record["data"] = {f"{which}_{key}": value for which, dataset in zip(("train", "val"), result)
                               for key, value in (("images", len(dataset)), ("nbytes", getattr(dataset, "nbytes", 0)))}
         return result
@@ -191,13 +193,14 @@ def first_steps(steps, reads, argv):
 
 
 def own_memory(pid="self"):
-    """{"uss", "pss"}: bytes of a process's unique memory (private pages, clean and dirty: what it alone holds) and
-    its proportional share, from /proc/PID/smaps_rollup."""
+    """{"uss", "pss", "anon"}: bytes of a process's unique memory (private pages, clean and dirty: what it alone
+    holds, a file's pages that no other process maps included), its proportional share, and its anonymous memory
+    (its own, not a file's pages: what it cannot share with another process), from /proc/PID/smaps_rollup."""
     fields = {}
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
         key, _, value = line.partition(":")
         fields[key] = int(value.split()[0]) * 1024
-    return {"uss": fields["Private_Clean"] + fields["Private_Dirty"], "pss": fields["Pss"]}
+    return {"uss": fields["Private_Clean"] + fields["Private_Dirty"], "pss": fields["Pss"], "anon": fields["Anonymous"]}
 
 
 class TouchSamples(torch.utils.data.Dataset):
@@ -211,9 +214,9 @@ class TouchSamples(torch.utils.data.Dataset):
     def __getitem__(self, k):
         import gc
 
-        samples = self.dataset.samples
+        samples, index = self.dataset.samples, self.dataset.index
         for i in self.order[k :: self.workers]:
-            path, target = samples[int(i)]
+            samples[int(i)], index[int(i)]  # read, as a worker reads a batch's
         gc.collect()
         return own_memory()
 
@@ -229,15 +232,19 @@ def listing_memory(root, workers):
     import numpy as np
 
     from data.datasets import train_val_datasets
-    from data.jpeg_cache import INDEX_DTYPE, JpegImages
+    from data.jpeg_cache import FOOTER, INDEX_DTYPE, MAGIC, JpegImages, open_cache
+    from utils.memory import release_freed_memory
 
     start = own_memory()
     source, _ = train_val_datasets(str(root), None, None)
     count = len(source)
-    dataset = JpegImages(source, Path(root) / "none.jpegcache", {"raw": False, "channels": 3},
-                         np.zeros(count, INDEX_DTYPE), (None, (0, 0, 0)))
-    del source
+    path = Path(root) / "index-only.jpegcache"  # no images: an index of empty rows, read as a cache file is
+    tail = np.zeros(count, INDEX_DTYPE).tobytes() + json.dumps({"raw": False, "channels": 3, "count": count}).encode()
+    path.write_bytes(tail + FOOTER.pack(MAGIC, 0, len(tail) - count * INDEX_DTYPE.itemsize, zlib.crc32(tail)))
+    dataset = JpegImages(source, path, *open_cache(path, count))
+    del source, tail
     gc.collect()
+    release_freed_memory()  # as training_data does once the datasets are built
     built = own_memory()
     order = np.random.default_rng(0).permutation(count)
     loader = torch.utils.data.DataLoader(TouchSamples(dataset, order, workers), batch_size=None,

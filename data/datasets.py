@@ -29,6 +29,7 @@ from utils.checkpoint import run_dir_of
 from utils.config import names_shards
 from utils.distributed import on_rank0, topology
 from utils.general import LOGGER, RANK, WORLD_SIZE, DatasetError, ImageError, colorstr, short_path
+from utils.memory import release_freed_memory
 from utils.once import atomic_write, once_per_machine
 
 LARGE_IMAGES = 2  # training images whose median shorter side is this many times the size the model sees are said
@@ -97,11 +98,27 @@ def load_rgb(path):
                          f"ones") from None
 
 
+class ListedFolder(ImageFolder):
+    """torchvision's ImageFolder, its samples a Listing (data/layouts.py) listed one class folder at a time by
+    torchvision's own make_dataset: never a list of every image's (path, class), which at ImageNet's size is some
+    200 MB of Python objects that the allocator keeps, in part, once freed."""
+
+    @staticmethod
+    def make_dataset(directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
+        listing = Listing.joined(directory, [
+            Listing.of(directory, ImageFolder.make_dataset(directory, {name: class_to_idx[name]}, extensions,
+                                                           is_valid_file, True))
+            for name in sorted(class_to_idx)])  # make_dataset's order
+        if not allow_empty and not len(listing):
+            raise FileNotFoundError(f"Found no valid file in {directory}")
+        return listing
+
+
 def image_folder(folder, transform):
-    """torchvision ImageFolder read with load_rgb, its samples a Listing (data/layouts.py), with errors that name the
+    """torchvision ImageFolder read with load_rgb, its samples a Listing (ListedFolder), with errors that name the
     folder and what it must hold."""
     try:
-        dataset = ImageFolder(str(folder), transform=transform, loader=load_rgb, allow_empty=True)
+        dataset = ListedFolder(str(folder), transform=transform, loader=load_rgb, allow_empty=True)
     except FileNotFoundError:  # torchvision's find_classes: no class folders
         raise DatasetError(f"{folder}: no class folders; an ImageFolder split holds one folder per class with that "
                            f"class's images in it ({folder}/<class>/*.jpg|png|...)") from None
@@ -112,7 +129,7 @@ def image_folder(folder, transform):
     if empty:
         raise DatasetError(f"{', '.join(empty)}: no image files ({', '.join(IMG_EXTENSIONS)}); add images to each "
                            f"class folder or remove the empty one(s)")
-    set_samples(dataset, Listing.of(dataset.root, dataset.samples))
+    set_samples(dataset, dataset.samples)  # its targets and imgs read from the Listing too
     return dataset
 
 
@@ -262,7 +279,7 @@ def training_datasets(cfg, seed, saved_in=None, device=torch.device("cpu")):
     data.val_split split is reused (see data/layouts.py)."""
     if names_shards(cfg.name):  # read by batches, cropped from the per-sample seeds as the JPEG cache's are
         train_set, val_set = shard_datasets(cfg, seed, crop_spec(cfg), decodes_on_device(cfg, device),
-                                            val_transforms(cfg))
+                                            val_transforms(cfg), topology().local_rank == 0)
         LOGGER.info(f"{colorstr('data:')} {cfg.name}: {describe(train_set, val_set)}")
         return train_set, val_set
     hold_out = HoldOut(cfg.val_split, seed, saved_in)
@@ -285,6 +302,7 @@ def training_data(cfg, device, workers, saved_in=None):
     saved_in: a resumed run's directory, whose data.val_split split is reused. Rank 0 says when the training images
     are much larger than the model sees them (large_images_note)."""
     train_set, val_set = training_datasets(cfg.data, cfg.seed, saved_in, device)
+    release_freed_memory()  # what listing them freed, which every DataLoader worker would otherwise inherit
     if RANK == 0 and (note := large_images_note(train_set, cfg.data)):  # a fact, often meant (photos at 224 px)
         LOGGER.info(note)
     mix = batch_mixer(cfg.data, len(train_set.classes), cfg.seed)
@@ -349,7 +367,8 @@ def named_eval_dataset(name, split, transform, classes, weights, allow_outside=F
     CIFAR's val is its test set. allow_outside: data.csv_allow_outside; cache_dir, shard_hosts: data.cache_dir (a
     shard set's node cache), data.shard_hosts."""
     if names_shards(name):
-        return eval_shards(name, split, transform, classes, weights, cache_dir, list(shard_hosts))
+        return eval_shards(name, split, transform, classes, weights, cache_dir, list(shard_hosts),
+                           topology().local_rank == 0)
     if name not in CIFAR:
         return eval_dataset(dataset_root(name), split, transform, classes, weights, allow_outside)
     dataset = cifar_dataset(name, split == "train", transform)

@@ -29,9 +29,11 @@ stop signal while writing or waiting ends the process at once, its temporary rem
 The file checked is the one read: opened once when checked (DataLoader workers inherit the descriptor), so a file
 later renamed over its path changes nothing. Images are read by positioned reads (os.preadv), not a memory mapping:
 a mapping counts every page read, and the pages around it, in the process's resident memory, which over an epoch
-grows to the file's size in every process and worker; read, a process holds only the batch it decodes. Each image's bytes are checked against their CRC-32 as they are read: a
-damaged image stops the run naming the file, the image and its source, and the file is removed (when it is still the
-one mapped) so the next start rewrites it.
+grows to the file's size in every process and worker; read, a process holds only the batch it decodes. The index
+alone is mapped (its rows, 44 bytes an image, are the page cache's one copy for the whole machine, not a copy in
+each process). Each image's bytes are checked against their CRC-32 as they are read: a damaged image stops the run
+naming the file, the image and its source, and the file is removed (when it is still the one opened) so the next
+start rewrites it.
 
 File layout: the images' bytes back to back, then the index (INDEX_DTYPE, one row per image, with the CRC-32 of
 its bytes), then a JSON header, then FOOTER: magic, index offset, header length, CRC-32 of index and header.
@@ -40,6 +42,7 @@ its bytes), then a JSON header, then FOOTER: magic, index offset, header length,
 import io
 import itertools
 import json
+import mmap
 import os
 import struct
 import zlib
@@ -92,12 +95,7 @@ class JpegImages(torch.utils.data.Dataset):
         self.classes, self.root, self.spec, self.seed, self.epoch = source.classes, source.root, spec, seed, 0
         self.samples = getattr(source, "samples", None)
         self.path, self.raw, self.channels, self.on_device = path, header["raw"], header["channels"], on_device
-        self.offsets, self.nbytes_each = index["offset"].astype(np.int64), index["nbytes"].astype(np.int64)
-        self.crcs = index["crc"].copy()  # an array, not a list: 4 bytes an image
-        self.targets = torch.from_numpy(index["target"].astype(np.int64))
-        self.stored = torch.from_numpy(np.stack([index["height"], index["width"]], 1).astype(np.int64))
-        self.sizes = torch.from_numpy(np.stack([index["drawn_height"], index["drawn_width"]], 1).astype(np.int64))
-        self.scales = (self.stored / self.sizes).float()
+        self.index, self.count = index, len(index)  # the file's own rows, mapped (open_cache): no copy per process
         self.file, self.identity = opened
         self.file_bytes = self.identity[2]
 
@@ -111,7 +109,7 @@ class JpegImages(torch.utils.data.Dataset):
         self.epoch = epoch
 
     def __getstate__(self):
-        return {**self.__dict__, "file": None}  # pickled for DataLoader workers of the spawn start method
+        return {**self.__dict__, "file": None, "index": None}  # for DataLoader workers of the spawn start method
 
     def __setstate__(self, state):
         """Reopen the file by path, refusing one that is not the file checked (another renamed over it since)."""
@@ -124,11 +122,23 @@ class JpegImages(torch.utils.data.Dataset):
         if identity != self.identity:
             raise ImageError(f"data.cache=jpeg: {self.path} was replaced since it was checked (device, inode or size "
                              f"differ); restart to check it again")
+        try:
+            self.index = read_index(self.file, identity, self.count)[1]
+        except StaleCache as e:  # the same file, changed in place (a disk error): not what was checked
+            raise ImageError(f"data.cache=jpeg: {self.path} changed since it was checked ({e}); restart to check it "
+                             f"again") from None
 
-    def blob(self, i):
-        """Image i's stored bytes as a 1-D uint8 tensor, checked against their CRC-32 (see damaged)."""
-        data = read_at(self.file, int(self.offsets[i]), int(self.nbytes_each[i]))
-        if data is None or zlib.crc32(data) != self.crcs[i]:  # None: the file is shorter than its index says
+    @property
+    def targets(self):
+        """Every image's class index, as an int64 tensor."""
+        return torch.from_numpy(self.index["target"].astype(np.int64))
+
+    def blob(self, i, row=None):
+        """Image i's stored bytes (row: its index row, read here if not given) as a 1-D uint8 tensor, checked
+        against their CRC-32 (see damaged)."""
+        row = self.index[i] if row is None else row
+        data = read_at(self.file, int(row["offset"]), int(row["nbytes"]))
+        if data is None or zlib.crc32(data) != row["crc"]:  # None: the file is shorter than its index says
             raise self.damaged(i)
         return torch.from_numpy(data)
 
@@ -148,21 +158,28 @@ class JpegImages(torch.utils.data.Dataset):
 
     def __getitems__(self, ids):
         ids = np.asarray(ids, dtype=np.uint64)
-        index = torch.from_numpy((ids % len(self)).astype(np.int64))
-        blobs = [self.blob(i) for i in index.tolist()]
+        index = (ids % len(self)).astype(np.int64)
+        rows = self.index[index]  # a copy of the batch's rows
+        blobs = [self.blob(i, row) for i, row in zip(index.tolist(), rows)]
+        targets, stored = torch.from_numpy(rows["target"].astype(np.int64)), sides(rows, "height", "width")
         if self.raw:
-            sizes = self.stored[index].tolist()
-            return torch.stack([b.view(self.channels, *size) for b, size in zip(blobs, sizes)]), self.targets[index]
-        params = seeded_crops(self.seed, self.epoch, ids, self.sizes[index], self.spec)
+            return torch.stack([b.view(self.channels, *size) for b, size in zip(blobs, stored.tolist())]), targets
+        sizes = sides(rows, "drawn_height", "drawn_width")  # the crops are drawn on the original size
+        params, scales = seeded_crops(self.seed, self.epoch, ids, sizes, self.spec), (stored / sizes).float()
         if self.on_device:
-            return packed(blobs), self.targets[index], params, self.scales[index]
-        return decode_crop(blobs, params, self.scales[index], self.spec, torch.device("cpu")), self.targets[index]
+            return packed(blobs), targets, params, scales
+        return decode_crop(blobs, params, scales, self.spec, torch.device("cpu")), targets
 
     def __getitem__(self, i):
         return tuple(value[0] for value in self.__getitems__([i]))
 
     def __len__(self):
-        return len(self.targets)
+        return self.count
+
+
+def sides(rows, height, width):
+    """(N, 2) int64 tensor of index rows' (height, width) fields."""
+    return torch.from_numpy(np.stack([rows[height], rows[width]], 1).astype(np.int64))
 
 
 def jpeg_datasets(train_source, val_source, cfg, seed, val_transform, device, topology):
@@ -260,32 +277,34 @@ def begin_writing(path, count):
 def cache_path(source, role, form, cache_dir="", tick=lambda n: None):
     """Where source's cache file for role in form lives: in cache_dir, or beside the images' folder."""
     folder = Path(source.root)
-    fingerprint = sha256(json.dumps([VERSION, form, source.classes, image_list(source, tick)]).encode()).hexdigest()
     side = "raw" if form["raw"] else f"{form['side']}px"
-    name = f".{folder.name}-{role}-{side}-{fingerprint[:16]}.jpegcache"
+    name = f".{folder.name}-{role}-{side}-{fingerprint(source, form, tick)[:16]}.jpegcache"
     return (Path(cache_dir) if cache_dir else folder.parent) / name
 
 
-def image_list(source, tick=lambda n: None):
-    """What identifies source's images: each file's path, label, size and modification time (a file replaced in
-    place changes them); for datasets without files (CIFAR), their class and length. tick(n) counts files done."""
+def fingerprint(source, form, tick=lambda n: None):
+    """SHA-256 of what identifies source's images in form: each file's path, label, size and modification time (a
+    file replaced in place changes them); for datasets without files (CIFAR), their class and length. The JSON of
+    [VERSION, form, classes, [[path, label, size, mtime], ...]] is hashed as it is made, a chunk of files at a time,
+    never held whole (at ImageNet's size, some 400 MB of Python objects). tick(n) counts files done."""
     samples = getattr(source, "samples", None)
     if samples is None:
-        return [type(source).__name__, str(source.root), len(source)]
+        return sha256(json.dumps([VERSION, form, source.classes, [type(source).__name__, str(source.root),
+                                                                   len(source)]]).encode()).hexdigest()
+    digest = sha256(json.dumps([VERSION, form, source.classes])[:-1].encode() + b", [")
 
-    def stat(part):
-        return [[str(path), int(label), info.st_size, info.st_mtime_ns]
-                for path, label in part for info in (os.stat(path),)]
-    listed = []
+    def stat(start):  # the JSON of 256 files' rows, without its brackets
+        return json.dumps([[str(path), int(label), info.st_size, info.st_mtime_ns]
+                           for path, label in samples[start : start + 256] for info in (os.stat(path),)])[1:-1]
     # Threads, as stat waits on the disk (a network file system's most), not the cores; a task per 256 files, as
     # a task per file costs ten times a local stat.
     with ThreadPoolExecutor(min(16, 4 * cpu_count())) as pool:
         for start in range(0, len(samples), STAT_CHUNK):
-            chunk = samples[start : start + STAT_CHUNK]
-            for part in pool.map(stat, [chunk[i : i + 256] for i in range(0, len(chunk), 256)]):
-                listed += part
-            tick(len(listed) - start)
-    return listed
+            for k, text in enumerate(pool.map(stat, range(start, min(start + STAT_CHUNK, len(samples)), 256))):
+                digest.update((", " if start or k else "").encode() + text.encode())
+            tick(min(STAT_CHUNK, len(samples) - start))
+    digest.update(b"]]")
+    return digest.hexdigest()
 
 
 def open_file(path):
@@ -317,6 +336,12 @@ def open_cache(path, count):
         raise StaleCache("not written yet") from None
     except OSError as e:
         raise StaleCache(f"cannot be read ({e.strerror or e})") from None
+    return read_index(file, identity, count)
+
+
+def read_index(file, identity, count):
+    """(header, index, (file, identity)) of an opened cache file of count images: its footer, index and header
+    checked, its index rows read from the file's pages (mapped); StaleCache says why it is not a complete cache file."""
     size = identity[2]
     if size < FOOTER.size:
         raise StaleCache(f"{size} bytes, shorter than its footer: truncated")
@@ -325,16 +350,28 @@ def open_cache(path, count):
         raise StaleCache("no footer at its end: truncated, or not a cache file")
     if index_at + header_length + FOOTER.size > size:  # Python integers: no wrap
         raise StaleCache("its footer points past its end")
-    tail = read_at(file, index_at, size - FOOTER.size - index_at)
-    tail = tail.tobytes() if tail is not None else b""
+    tail = mapped(file, index_at, size - FOOTER.size - index_at)
     if zlib.crc32(tail) != crc:
         raise StaleCache("its index does not match its checksum")
-    header = json.loads(tail[len(tail) - header_length :])
-    if len(tail) - header_length != count * INDEX_DTYPE.itemsize or header["count"] != count:
-        raise StaleCache(f"{(len(tail) - header_length) // INDEX_DTYPE.itemsize} images, not the dataset's {count}")
-    index = np.frombuffer(tail[: len(tail) - header_length], dtype=INDEX_DTYPE)
+    rows = len(tail) - header_length
+    header = json.loads(bytes(tail[rows:]))
+    if rows != count * INDEX_DTYPE.itemsize or header["count"] != count:
+        raise StaleCache(f"{rows // INDEX_DTYPE.itemsize} images, not the dataset's {count}")
+    index = np.frombuffer(tail, INDEX_DTYPE, count)
     check_rows(index, index_at, header)
     return header, index, (file, identity)
+
+
+def mapped(file, offset, nbytes):
+    """A read-only memoryview of nbytes of file from offset, over the file's pages. The index is read so: the page
+    cache's one copy, which every process and DataLoader worker on the machine shares, instead of 44 bytes an image
+    in each (benchmarks/scale.py --only startup), and no transient copy of it to check its CRC-32. The file is never
+    written in place (writers rename a new one over it), so its pages keep the bytes checked."""
+    if nbytes == 0:
+        return memoryview(b"")
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY  # a mapping starts at a multiple of it
+    pages = mmap.mmap(file.fileno(), offset - start + nbytes, access=mmap.ACCESS_READ, offset=start)
+    return memoryview(pages)[offset - start :]
 
 
 def check_rows(index, index_at, header):
@@ -367,7 +404,7 @@ def write_shared(source, path, tmp, form, transform, store, job, work, topology)
         for key in (work, job):  # every process on the machine writes: a waiter watches each one
             writing(store, key)
         rows = encode_chunks(source, path, tmp, form, transform, store, job, work, topology)
-        store.set(f"{work}/rows/{topology.local_rank}", rows.tobytes())
+        post(store, f"{work}/rows/{topology.local_rank}", rows.tobytes())
         store.add(f"{work}/posted", 1)
         if topology.local_rank == 0:
             wait_for(store, work, f"waiting for the local ranks writing {path}", total=len(source),
@@ -386,6 +423,22 @@ def write_shared(source, path, tmp, form, transform, store, job, work, topology)
 
 
 ROW = np.dtype([("image", "<i8"), ("channels", "<i4"), ("row", INDEX_DTYPE)])  # a row, its image and channels
+STORE_VALUE = 4 << 20  # bytes of one value in the job's store, whose TCPStore refuses one over 8 MiB
+
+
+def post(store, key, data):
+    """Set key to data (bytes) in the store, in values of STORE_VALUE bytes at most: a process's index rows take
+    56 bytes an image, 9 MB for each of 8 processes writing ImageNet's."""
+    parts = [data[i : i + STORE_VALUE] for i in range(0, len(data), STORE_VALUE)]
+    for k, part in enumerate(parts):
+        store.set(f"{key}/{k}", part)
+    store.set(key, str(len(parts)))
+
+
+def posted(store, key):
+    """The bytes post(store, key, ...) set."""
+    return b"".join(store.get(f"{key}/{k}") for k in range(int(store.get(key))))
+
 
 
 def encode_chunks(source, path, tmp, form, transform, store, job, work, topology):
@@ -447,7 +500,7 @@ def write_chunk(fd, encoded, store, work):
 def finish_file(source, path, tmp, form, store, work, processes):
     """Local rank 0: gather the index rows of the machine's processes, write index, header and footer after the images,
     and make tmp path (utils/once.commit: flushed, renamed, the rename flushed)."""
-    parts = [np.frombuffer(store.get(f"{work}/rows/{r}"), ROW) for r in range(processes)]
+    parts = [np.frombuffer(posted(store, f"{work}/rows/{r}"), ROW) for r in range(processes)]
     rows = np.concatenate(parts)
     index = np.zeros(len(source), INDEX_DTYPE)
     index[rows["image"]] = rows["row"]

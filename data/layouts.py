@@ -45,13 +45,15 @@ class HoldOut:
 
 class Listing(Sequence):
     """A data set's (path, target) samples, held as arrays: every path relative to root as UTF-8 (surrogateescape: any
-    file name) in one bytes object with its start offsets, the targets as int64 class indices, or for multi-label
-    samples (tuples of class indices) every sample's indices in one array with their offsets. Reads as the list of
-    tuples it replaces: samples[i] is (os.path.join(root, name), target), a list's equality and slices included.
+    file name) in one bytes object with its start offsets, the targets as class indices, or for multi-label samples
+    (tuples of class indices) every sample's indices in one array with their offsets; each array of the narrowest
+    integer type that holds it (narrow). Reads as the list of tuples it replaces: samples[i] is
+    (os.path.join(root, name), target), a list's equality and slices included.
 
-    About 50 bytes an ImageNet image, in pages a forked DataLoader worker shares with its process. A list of tuples
-    of str took some 150 bytes more in the process, and about 190 in each worker, which copies the objects' pages as
-    it touches their reference counts (or its garbage collector the tuples'): benchmarks/scale.py --only memory."""
+    About 36 bytes an ImageNet image (30 of them its name), in pages a forked DataLoader worker shares with its
+    process. A list of tuples of str took some 150 bytes more in the process, and about 190 in each worker, which
+    copies the objects' pages as it touches their reference counts (or its garbage collector the tuples'):
+    benchmarks/scale.py --only memory."""
 
     def __init__(self, root, names, offsets, labels, label_offsets=None):
         self.root, self.names, self.offsets, self.labels = str(root), names, offsets, labels
@@ -61,11 +63,12 @@ class Listing(Sequence):
     def listed(cls, root, names, targets, multilabel=False):
         """The Listing of samples named (relative to root, or absolute) by names, with targets."""
         encoded = [name.encode("utf-8", "surrogateescape") for name in names]
-        offsets = np.cumsum([0, *map(len, encoded)], dtype=np.int64)
+        offsets = narrow(np.cumsum([0, *map(len, encoded)], dtype=np.int64))
         if not multilabel:
-            return cls(root, b"".join(encoded), offsets, np.asarray(targets, dtype=np.int64).reshape(-1))
-        labels = np.fromiter((c for t in targets for c in t), np.int64)
-        return cls(root, b"".join(encoded), offsets, labels, np.cumsum([0, *map(len, targets)], dtype=np.int64))
+            return cls(root, b"".join(encoded), offsets, narrow(np.asarray(targets, dtype=np.int64).reshape(-1)))
+        labels = narrow(np.fromiter((c for t in targets for c in t), np.int64))
+        label_offsets = narrow(np.cumsum([0, *map(len, targets)], dtype=np.int64))
+        return cls(root, b"".join(encoded), offsets, labels, label_offsets)
 
     @classmethod
     def of(cls, root, samples, multilabel=False):
@@ -73,6 +76,16 @@ class Listing(Sequence):
         prefix = os.path.join(str(root), "")
         return cls.listed(root, [path.removeprefix(prefix) for path, _ in samples], [t for _, t in samples],
                           multilabel)
+
+    @classmethod
+    def joined(cls, root, parts):
+        """One single-label Listing of parts (single-label Listings under root), in order."""
+        starts = np.cumsum([0, *(len(part.names) for part in parts)])
+        offsets = [np.zeros(1, np.int64), *(part.offsets[1:].astype(np.int64) + start
+                                            for part, start in zip(parts, starts))]
+        labels = [np.zeros(0, np.int64), *(part.labels.astype(np.int64) for part in parts)]
+        return cls(root, b"".join(part.names for part in parts), narrow(np.concatenate(offsets)),
+                   narrow(np.concatenate(labels)))
 
     def name(self, i):
         """Sample i's path relative to root."""
@@ -97,7 +110,7 @@ class Listing(Sequence):
 
     def relabelled(self, new_index):
         """The same samples with class c now new_index[c] (single-label)."""
-        return Listing(self.root, self.names, self.offsets, np.asarray(new_index, dtype=np.int64)[self.labels])
+        return Listing(self.root, self.names, self.offsets, narrow(np.asarray(new_index, dtype=np.int64)[self.labels]))
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -124,6 +137,15 @@ class Listing(Sequence):
         return f"Listing({list(self)!r})" if len(self) <= 20 else f"<Listing of {len(self)} samples under {self.root}>"
 
 
+def narrow(values):
+    """An int64 array as the narrowest of int16, int32 and int64 that holds its values (class indices rarely need
+    more than two bytes, a listing's name offsets four)."""
+    for dtype in (np.int16, np.int32):
+        if not len(values) or np.iinfo(dtype).min <= values.min() and values.max() <= np.iinfo(dtype).max:
+            return values.astype(dtype)
+    return values
+
+
 class Targets(Sequence):
     """A Listing's targets, read as their list: targets[i] is sample i's class index or tuple of class indices;
     np.asarray gives the class indices of single-label samples without a Python object each."""
@@ -142,7 +164,7 @@ class Targets(Sequence):
     def __array__(self, dtype=None, copy=None):
         if self.listing.multilabel:
             raise TypeError("multi-label targets are tuples of class indices: see data/multilabel.py's multi_hot")
-        return self.listing.labels if dtype is None else self.listing.labels.astype(dtype)
+        return self.listing.labels.astype(np.int64 if dtype is None else dtype)  # held narrow, read as int64
 
     def __eq__(self, other):
         return isinstance(other, (Sequence, np.ndarray)) and list(self) == list(other)

@@ -1,6 +1,7 @@
 """What each training step sees, from (seed, epoch) alone: the seeded distributed sampler, one permutation per epoch
 (or class-balanced draws) dealt out to the ranks with nothing padded, and per-sample augmentation seeds."""
 
+import itertools
 import math
 
 import numpy as np
@@ -9,6 +10,7 @@ from torch.utils.data import Dataset, Sampler
 
 MASK64 = (1 << 64) - 1
 SHARD_ORDER = 0x5A4D  # a salt: the shard order's seed is not any sample's
+ITER_CHUNK = 4096  # sample ids an epoch's iterator turns into Python ints at a time
 
 
 class DistributedShuffleSampler(Sampler):
@@ -68,14 +70,16 @@ class DistributedShuffleSampler(Sampler):
         return torch.cat(ids)
 
     def __iter__(self):
-        share = self.share(self.permutation(), self.rank)
-        return iter(share[self.start_step * self.batch_size // self.world_size :].tolist())
+        share = self.share(self.permutation(), self.rank)[self.start_step * self.batch_size // self.world_size :]
+        # Drawn now; turned into Python ints a chunk at a time, not all at once (36 bytes an image for the epoch).
+        return itertools.chain.from_iterable(chunk.tolist() for chunk in share.split(ITER_CHUNK))
 
     def share(self, order, rank):
-        """rank's part of a global order: its groups, in order."""
-        groups = torch.arange(math.ceil(len(order) / self.group))[rank :: self.world_size]
-        positions = (groups[:, None] * self.group + torch.arange(self.group)).flatten()
-        return order[positions[positions < len(order)]]
+        """rank's part of a global order: its groups (every world_size-th, from its rank's), in order, the last
+        partial group too where it is rank's. Strided views of order: no index arrays as long as the epoch."""
+        whole = len(order) // self.group
+        mine = order[: whole * self.group].view(whole, self.group)[rank :: self.world_size].flatten()
+        return torch.cat([mine, order[whole * self.group :]]) if whole % self.world_size == rank else mine
 
     def gathered_ids(self):
         """The sample ids of every rank's share of the epoch, in rank order: what all_gather_rows of per-sample rows

@@ -59,7 +59,7 @@ from data.sampler import sample_seed, shard_permutation
 from data.verify import UNREADABLE, decode, unreadable_reason
 from utils.memory import size_text
 from utils.once import atomic_write
-from utils.general import DATASETS_DIR, LOCAL_RANK, LOGGER, DatasetError, ImageError, colorstr, short_path
+from utils.general import DATASETS_DIR, LOGGER, DatasetError, ImageError, colorstr, short_path
 
 TOP = "dataset.json"  # the top file of a shard set: classes and the splits' indexes
 KIND = "cls-shards-v1"
@@ -448,11 +448,14 @@ class ShardCache:
     get a copy. budget (bytes, 0: none): cached shards beyond it are removed, least recently opened first (a process
     that has a shard open keeps reading it). then: what a failed fetch's line tells the user to do (every line names
     the set as data.name: val.py says it as --data, utils.distributed.exit_on_error). The top file and indexes fetched are
-    kept here too; use_copies: read them when the server cannot be reached (val.py: the set a run trained on)."""
+    kept here too; use_copies: read them when the server cannot be reached (val.py: the set a run trained on).
+    keeper: whether this process keeps those copies and fetches the next window's shards ahead for its machine (the
+    caller says which process: its machine's local rank 0), where the machine's others only read."""
 
-    def __init__(self, folder, budget=0, then=RESUME, use_copies=False, hosts=()):
+    def __init__(self, folder, budget=0, then=RESUME, use_copies=False, hosts=(), keeper=True):
         self.folder, self.budget, self.then, self.use_copies = Path(folder), budget, then, use_copies
         self.hosts = hosts  # data.shard_hosts: where a server may redirect a shard's fetch (download)
+        self.keeper = keeper
 
     def local(self, shard):
         """The local path of shard (a ShardSplit entry, its fields checked), fetched first where it is a URL."""
@@ -493,9 +496,9 @@ class ShardCache:
         return self.folder / f"copy-{hashlib.sha256(url.encode()).hexdigest()[:16]}.json"
 
     def keep_copy(self, url, content):
-        """Keep content, fetched from url, as its copy (written whole, then renamed; by local rank 0, once a
+        """Keep content, fetched from url, as its copy (written whole, then renamed; by the keeper, once a
         machine)."""
-        if LOCAL_RANK != 0:
+        if not self.keeper:
             return
         with self.disk_errors(), atomic_write(self.copy_of(url)) as tmp:
             tmp.write_bytes(content)
@@ -695,8 +698,9 @@ class TrainShards(ShardSamples):
             torch.set_rng_state(state)
 
     def read_ahead(self, i):
-        """On local rank 0, fetch the shards of the window after sample i's in the background (once a window)."""
-        if LOCAL_RANK != 0 or not is_url(self.split.shards[0]["url"]):
+        """On the cache's keeper, fetch the shards of the window after sample i's in the background (once a
+        window)."""
+        if not self.cache.keeper or not is_url(self.split.shards[0]["url"]):
             return
         order = shard_permutation(self.seed, self.epoch, len(self.split.shards))
         position = int((order == int(self.shard_of[i])).nonzero()[0, 0])
@@ -732,14 +736,14 @@ class ValShards(ShardSamples):
         return (self.transform(image) if self.transform else image), int(self.targets[i])
 
 
-def shard_cache(name, cache_dir="", budget_gb=0.0, then=RESUME, use_copies=False, hosts=()):
+def shard_cache(name, cache_dir="", budget_gb=0.0, then=RESUME, use_copies=False, hosts=(), keeper=True):
     """The node-local cache of data.name's shard set: data.cache_dir, or datasets/shard-cache/, then a folder per
     set (a digest of its location). A set behind a URL needs it writable, which is checked here, before any work.
-    then, use_copies, hosts: see ShardCache."""
+    then, use_copies, hosts, keeper: see ShardCache."""
     root = Path(cache_dir) if cache_dir else DATASETS_DIR / "shard-cache"
     location = top_location(name) if is_url(name) else str(Path(top_location(name)).resolve())
     cache = ShardCache(root / hashlib.sha256(location.encode()).hexdigest()[:16], int(budget_gb * 1e9), then,
-                       use_copies, hosts)
+                       use_copies, hosts, keeper)
     if is_url(name):
         with cache.disk_errors():
             probe = cache.made_folder() / f".probe-{socket.gethostname()}-{os.getpid()}"
@@ -756,11 +760,11 @@ def check_options(cfg):
             raise DatasetError(f"data.{key}={cfg[key]}: {why}; set data.{key}={off} with data.name={cfg.name}")
 
 
-def shard_datasets(cfg, seed, spec, on_device, val_transform):
-    """data.name's shard set as (TrainShards, ValShards), its train and val splits."""
+def shard_datasets(cfg, seed, spec, on_device, val_transform, keeper):
+    """data.name's shard set as (TrainShards, ValShards), its train and val splits; keeper: see ShardCache."""
     check_options(cfg)
     hosts = list(cfg.shard_hosts)
-    cache = shard_cache(cfg.name, cfg.cache_dir, cfg.shard_cache_gb, hosts=hosts)
+    cache = shard_cache(cfg.name, cfg.cache_dir, cfg.shard_cache_gb, hosts=hosts, keeper=keeper)
     classes, splits = open_shard_set(cfg.name, cache, hosts=hosts)
     missing = [split for split in ("train", "val") if split not in splits]
     if missing:
@@ -785,12 +789,12 @@ def check_budget(cfg, split):
                            f"lower data.shard_window")
 
 
-def eval_shards(name, split, transform, classes, weights, cache_dir="", hosts=()):
+def eval_shards(name, split, transform, classes, weights, cache_dir="", hosts=(), keeper=True):
     """The shard set's split that name (val.py's --data, or the checkpoint's data.name) names,
     labelled as a checkpoint's classes, which it must have. Only that split's index is read; with the server down,
     the copies of the top file and index that training (or an earlier val.py) kept in the node cache are read, so
     that the shards cached there, checked when fetched, are evaluated without it."""
-    cache = shard_cache(name, cache_dir, then=RERUN, use_copies=True, hosts=hosts)
+    cache = shard_cache(name, cache_dir, then=RERUN, use_copies=True, hosts=hosts, keeper=keeper)
     set_classes, splits = open_shard_set(name, cache, only=split, hosts=hosts)
     if set_classes != list(classes):
         raise DatasetError(f"{top_location(name)}: its {len(set_classes)} classes are not the {len(classes)} classes "

@@ -84,7 +84,7 @@ NOT_RUN = {
     "tensorboard --logdir runs/train": "a server that runs until stopped",
     "torchrun --max-restarts=K": "a flag named in a sentence, K standing for a number",
     "python benchmarks/scale.py": BENCHMARK,
-    "python benchmarks/scale.py --only memory": BENCHMARK,
+    "python benchmarks/scale.py --only startup": BENCHMARK,
     "python benchmarks/time_to_accuracy.py": BENCHMARK,
     "python benchmarks/digits_sweep.py": BENCHMARK,
     "python benchmarks/multilabel_sweep.py": BENCHMARK,

@@ -1,6 +1,7 @@
 """data.cache=jpeg: one file per split, shared by the processes on a machine, checked on every open and rewritten when
 unusable; the RAM cache's crops and flips from the same per-sample seeds, decoded in workers or on the device."""
 
+import json
 import os
 import pickle
 import re
@@ -9,10 +10,12 @@ import subprocess
 import sys
 import time
 import zlib
+from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from PIL import Image
 
 import train
@@ -20,7 +23,8 @@ import val
 from conftest import ROOT, clean_env, read_results, run_python, run_torchrun
 from data.cache import batch_to
 from data.datasets import build_datasets
-from data.jpeg_cache import FOOTER, INDEX_DTYPE, StaleCache, jpeg_datasets, open_cache, read_at
+from data.jpeg_cache import (FOOTER, INDEX_DTYPE, MAGIC, JpegImages, StaleCache, jpeg_datasets, open_cache, post,
+                              posted, read_at)
 from data.transforms import crop_spec, val_transforms
 from test_cache import SIZES, data_cfg, per_image_epoch
 from test_rank_errors import RECIPE, two_nodes
@@ -156,7 +160,7 @@ def test_a_damaged_image_stops_the_run_naming_it_and_its_file_is_removed_and_rew
     cfg = data_cfg(img_size=16, scale=[0.25, 1.0], cache="jpeg", cache_dir=str(tmp_path / "cache"))
     dataset = jpeg_sets(root, cfg)[role == "val"]
     before = dataset.__getitems__(range(len(dataset)))[0]
-    flip_image_bytes(dataset.path, int(dataset.offsets[5]) + 4)
+    flip_image_bytes(dataset.path, int(dataset.index["offset"][5]) + 4)
     damaged = jpeg_sets(root, cfg)[role == "val"]  # index and header intact: opened as it is
     assert damaged.path == dataset.path and "rewriting" not in log.text
     assert torch.equal(damaged.__getitems__(range(5))[0], before[:5])  # the images before it read as before
@@ -173,7 +177,7 @@ def test_a_damaged_file_already_replaced_by_another_process_is_not_removed(root,
     cfg = data_cfg(img_size=16, cache="jpeg", cache_dir=str(tmp_path / "cache"))
     train_set = jpeg_sets(root, cfg)[0]
     good = train_set.path.read_bytes()
-    flip_image_bytes(train_set.path, int(train_set.offsets[2]))  # the file this dataset mapped
+    flip_image_bytes(train_set.path, int(train_set.index["offset"][2]))  # the file this dataset mapped
     replacement = train_set.path.with_name("replacement")
     replacement.write_bytes(good)
     os.replace(replacement, train_set.path)  # another process rewrote it meanwhile
@@ -204,7 +208,7 @@ def test_an_index_whose_offsets_wrap_or_whose_raw_rows_have_the_wrong_size_is_no
     rewrite_index(train_set.path, wrap)
     with pytest.raises(StaleCache, match="its index points past its images: image 3"):
         open_cache(train_set.path, len(train_set))
-    c, h, w = val_set.channels, *val_set.stored[1].tolist()
+    c, h, w = val_set.channels, int(val_set.index["height"][1]), int(val_set.index["width"][1])
 
     def short_row(index):
         index["nbytes"][1] -= 1
@@ -224,6 +228,17 @@ def test_a_file_replaced_by_path_after_it_was_checked_is_not_read(root, tmp_path
     with pytest.raises(ImageError, match=rf"data.cache=jpeg: {val_set.path} was replaced since it was checked "
                                          rf"\(device, inode or size differ\); restart to check it again"):
         pickle.loads(pickle.dumps(val_set))
+
+
+def test_index_rows_past_the_job_stores_value_limit_are_posted_whole():
+    # Each writing process posts its index rows (56 bytes an image) for local rank 0 to gather: at ImageNet's size on
+    # 8 processes, 9 MB each, past the 8 MiB a TCPStore takes in one value (it dropped the connection mid-write).
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    rows = np.random.default_rng(0).bytes(10 << 20)
+    post(store, "rows/0", rows)
+    assert posted(store, "rows/0") == rows and int(store.get("rows/0")) == 3
+    post(store, "rows/1", b"")
+    assert posted(store, "rows/1") == b""
 
 
 def test_an_unwritable_cache_dir_is_named_with_the_way_out(root, tmp_path):
@@ -375,6 +390,36 @@ def test_a_jpeg_cache_run_stopped_mid_epoch_resumes_bit_identical_and_val_py_agr
 def rss_file():
     """Bytes of files mapped into this process's resident memory (RssFile of /proc/self/status)."""
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("RssFile:"))
+
+
+def rss_anon():
+    """Bytes of this process's own resident memory, no file's pages (RssAnon of /proc/self/status)."""
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("RssAnon:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc/self/status")
+def test_a_cache_files_index_stays_in_the_page_cache_not_in_each_process(tmp_path):
+    # A file of 1,000,000 index rows (44 MB, no images): checked, then read from the file's pages, which every
+    # process on the machine shares. Held as arrays, as before, each process (and a spawned worker) had its copy.
+    count = 1_000_000
+    rows = np.zeros(count, INDEX_DTYPE)
+    rows["target"] = np.arange(count) % 7
+    header = json.dumps({"raw": False, "channels": 3, "count": count}).encode()
+    tail = rows.tobytes() + header
+    path = tmp_path / "index.jpegcache"
+    path.write_bytes(tail + FOOTER.pack(MAGIC, 0, len(header), zlib.crc32(tail)))
+    del rows, tail
+    before = rss_anon()
+    header, index, opened = open_cache(path, count)
+    spawned = pickle.loads(pickle.dumps(JpegImages(Source(), path, header, index, opened)))
+    assert int(index["target"].sum()) == int(spawned.index["target"].sum()) == sum(i % 7 for i in range(count))
+    assert rss_anon() - before < 0.1 * count * INDEX_DTYPE.itemsize, (rss_anon() - before)
+    assert spawned.targets[:9].tolist() == [0, 1, 2, 3, 4, 5, 6, 0, 1]
+
+
+class Source:
+    """What JpegImages reads of a dataset of no files."""
+    classes, root = ["a"], "none"
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc/self/status")

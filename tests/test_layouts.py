@@ -24,7 +24,7 @@ import train
 import val
 from conftest import console_lines, read_results, run_torchrun
 from data.cache import RamImages
-from data.datasets import build_datasets, train_val_datasets
+from data.datasets import build_datasets, image_folder, train_val_datasets
 from data.layouts import HoldOut, Listing, split_files
 from data.verify import decode
 from utils.checkpoint import load_checkpoint
@@ -465,3 +465,19 @@ def test_every_layout_holds_its_samples_as_arrays_that_read_as_the_list_of_tuple
     assert len(read[0]) == len(read[1]) == -(-len(expected) // 4)
     for (images, targets), (list_images, list_targets) in zip(*read):
         assert torch.equal(images, list_images) and torch.equal(targets, list_targets)
+
+
+def test_a_class_folder_listing_is_torchvisions_own_held_in_narrow_arrays_and_read_as_int64(tmp_path):
+    # Listed a class folder at a time (never every image's tuple at once): the same samples, in the same order, as
+    # ImageFolder's, nested folders and files of other kinds included.
+    folder = split_folders(tmp_path / "data", "val") / "train"
+    first, second = sorted(folder.iterdir())
+    (first / "nested" / "deeper").mkdir(parents=True)
+    shutil.copy(next(second.iterdir()), first / "nested" / "deeper" / "0.png")
+    shutil.copy(next(second.iterdir()), first / "nested" / "1.png")
+    (first / "notes.txt").write_text("not an image")
+    dataset = image_folder(folder, None)
+    assert list(dataset.samples) == ImageFolder(str(folder)).samples and len(dataset) == 14
+    assert dataset.targets == ImageFolder(str(folder)).targets
+    assert (dataset.samples.offsets.dtype, dataset.samples.labels.dtype) == (np.int16, np.int16)
+    assert np.asarray(dataset.targets).dtype == np.int64  # as a list of class indices reads

@@ -319,6 +319,23 @@ def test_reading_a_window_fetches_the_next_windows_shards_before_they_are_read_e
         assert sorted(fetched()) == sorted(names[0] | names[1] | names[2])
 
 
+@pytest.mark.parametrize("keeper", [True, False])
+def test_only_the_machines_keeper_fetches_ahead_and_keeps_the_indexes_copies(shard_set, tmp_path, keeper):
+    # The caller says which process keeps the machine's cache (its local rank 0): the others read what they need.
+    log, folder = tmp_path / "gets.log", tmp_path / "cache"
+    folder.mkdir()
+    with http_server(shard_set, log=log) as (url, _):
+        cache = ShardCache(folder, keeper=keeper)
+        split = open_shard_set(f"{url}/shards", cache)[1]["train"]
+        samples = TrainShards(split, cache, CropSpec(8, (0.3, 1.0), 0.5, 0), seed=0, window=2)
+        first = shard_permutation(0, 0, len(split.shards)).tolist()[:2]
+        samples.__getitems__([i for k in first for i in range(samples.starts[k], samples.starts[k + 1])])
+        time.sleep(1)  # the keeper's fetch ahead ends within milliseconds from a local server
+    shards = [line.split()[0] for line in log.read_text().splitlines() if line.split()[0].endswith(".tar")]
+    assert len(shards) == (4 if keeper else 2)
+    assert len(list(folder.glob("copy-*.json"))) == (3 if keeper else 0)  # the top file and both indexes
+
+
 def test_a_damaged_shard_is_named_fetched_or_read_in_place(shard_set, tmp_path):
     copy = damaged_copy(shard_set, tmp_path)
     with http_server(copy) as (url, _):
