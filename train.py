@@ -51,6 +51,7 @@ from utils.precision import autocast, autocast_dtype, grad_scaler
 from utils.run import make_run_dir, next_steps, prepare_run, remove_if_unsaved, resumed_run_dir, stopped_message
 from utils.seeds import init_seeds
 from utils.stopping import StopVote, check_vote, out_of_patience, record_best, wants_save, weights_sum
+from utils.watchdog import Placed, further, now_at, placed, set_limit
 from utils.torch_utils import (compiled, de_parallel, join_uneven_inputs, memory_format, model_ema, no_sync,
                                one_image_batchnorm, select_device, set_device, set_threads, smart_DDP, sync_batchnorm,
                                update_ema)
@@ -135,9 +136,9 @@ def main(argv=None):
     exits with code 2 and one line, a stop signal with 128 + its number after saving."""
     try:
         args = parse_args(argv)
-        # Stop signals are caught from here on: a SIGTERM that arrives while the ranks set up stops the run after its
-        # first step, where the default action would kill this rank and leave the others failing at a collective; a
-        # Ctrl-C before the run directory is made ends every rank at once (torchrun passes it to each), nothing saved.
+        # Stop signals are caught from here on: one that arrives before the run directory is made ends the process at
+        # once, nothing saved (torchrun passes it to every rank); after, the ranks stop together after a step and
+        # save.
         with StopVote() as vote:
             setup_distributed()
             try:
@@ -164,6 +165,7 @@ def train(cfg, vote, dtype, run_dir=None, resume=None):
     score of train.best_metric (top-1 by default), or None when the ranks stopped on a signal. vote (a StopVote,
     entered) holds the training device."""
     device = vote.device
+    set_limit(cfg.train.hang_seconds)  # a rank that hangs is named after this long (utils/watchdog.py)
     check_batch_for_batchnorm(cfg)  # before the data is read: a mistake of the recipe alone
     threads, workers, workers_why = set_threads(cfg.data.workers, input_feed(cfg.data, device), device.type)
     init_seeds(cfg.seed + RANK, cfg.train.deterministic)  # own dropout stream per rank; DDP copies rank 0's init
@@ -210,7 +212,7 @@ def train(cfg, vote, dtype, run_dir=None, resume=None):
             LOGGER.info(stopped_message(run_dir, epoch, state.step, steps))
             return None
         train_time = time.time() - epoch_start
-        metrics = validate(loop, state)
+        metrics = validate(loop, state, epoch)
         metrics.update({"epoch": epoch + 1, "train/loss": state.epoch_loss[0] / state.epoch_loss[1],
                         "lr/pg0": state.optimizer.param_groups[0]["lr"], "time/epoch": time.time() - epoch_start,
                         "time/img_s": images_seen / train_time})
@@ -279,7 +281,8 @@ def train_one_epoch(loop, state, epoch, show_batch=False):
     layout, crop = memory_format(cfg.train.channels_last), crop_spec(cfg.data)
     # The caches' batches are cropped on the device, the next one while this step runs
     with join_uneven_inputs(state.model, fewest < most), closing(device_batches(bar, device, crop)) as batches:
-        for step, (images, targets) in enumerate(batches, state.step):
+        steps = placed(batches, (epoch, 0), f"epoch {epoch + 1}, step {{}}/{most}", "in the step", state.step)
+        for step, (images, targets) in enumerate(steps, state.step):
             if show_batch and loop.logger:
                 loop.logger.log_batch(images[:32], targets[:32])
                 show_batch = False
@@ -300,6 +303,7 @@ def train_one_epoch(loop, state, epoch, show_batch=False):
                 break  # here, in join(): leaving it first would sync the model from a rank that is not done
             running.show(bar)
     if not stopped:
+        now_at((epoch, 1), f"the end of epoch {epoch + 1}")  # past every step: a rank a step short waits here
         state.step = most  # also on a rank that took one step fewer
         stopped = at_shared_step(loop, state, epoch, loop.vote.settle(tail_loss, most - 1), running, epoch_end=True)
     if not stopped:
@@ -353,10 +357,12 @@ def at_shared_step(loop, state, epoch, verdict, running, epoch_end=False):
     return stop
 
 
-def validate(loop, state):
+def validate(loop, state, epoch):
     """The val metrics of the weights and their EMA (with train.tta, of each image and its flip); multi-label's with
     each one's per-class thresholds."""
-    args = (loop.val_loader, loop.normalize, len(loop.classes), loop.vote.device, loop.dtype)
+    val_loader = Placed(loop.val_loader, (epoch, 2), f"epoch {epoch + 1}, val batch {{}}/{len(loop.val_loader)}",
+                        "validating")
+    args = (val_loader, loop.normalize, len(loop.classes), loop.vote.device, loop.dtype)
     tta = loop.cfg.train.tta
     if loop.multilabel:
         threshold = loop.cfg.train.threshold
@@ -370,6 +376,7 @@ def end_epoch(loop, state, epoch, metrics):
     """Commit the epoch: the best score of train.best_metric so far (of the weights or their EMA, whichever is
     better), the logs, and last.pt (and best.pt when it improved). Returns whether a stop signal arrived during
     validation (save's vote)."""
+    now_at((epoch, 3), f"the end of epoch {epoch + 1}")
     state.epoch, state.step, state.epoch_loss, state.logged_loss = epoch + 1, 0, (0.0, 0), (0.0, 0)
     state.thresholds, state.ema_thresholds = metrics.get("thresholds"), metrics.get("ema_thresholds")
     improved, ema_better = record_best(state, metrics, epoch)
@@ -384,6 +391,7 @@ def save(loop, state, epoch, *names, best_from_ema=False):
     TensorBoard events logged so far, so that a resumed run's events continue from the checkpoint's. The ranks
     first vote on the weights (never save NaN: a step with a finite loss may still overflow them), which also
     counts a stop signal; returns whether one arrived."""
+    further(f"saving weights/{' and '.join(names)}")
     stop = check_vote(loop.vote.settle(weights_sum(state.model)), epoch, loop.loader.sampler.steps()[0])
     if loop.logger:
         loop.logger.flush()

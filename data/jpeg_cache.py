@@ -23,7 +23,7 @@ progress (utils/once.py), never on a clock or in a collective, and none goes on 
 complete. Machines that share the file's directory (a shared disk: each sees the others' markers there, utils/once.
 first_machine_sharing) leave it to the lowest-numbered of them and wait on its progress; a machine whose directory
 is its own writes its own. A file is written under a temporary name of its writer's (utils/once.temporary: local
-rank 0's host and pid); a start first removes the temporary files of writers that are gone (clean_leftovers), and a
+rank 0's, which holds its lock); a start first removes the temporary files whose lock is free (clean_leftovers), and a
 stop signal while writing or waiting ends the process at once, its temporary removed.
 
 The file checked is the one read: opened once when checked (DataLoader workers inherit the descriptor), so a file
@@ -61,7 +61,7 @@ from data.transforms import crop_spec
 from utils.general import LOGGER, DatasetError, ImageError, colorstr, cpu_count, short_path
 from utils.memory import size_text
 from utils.once import (clean_leftovers, commit, done, finished, first_machine_sharing, local_store, made, progress,
-                        stop_on_signals, temporary, wait_for, writing)
+                        remove, stop_on_signals, temporary, wait_for, writing)
 
 QUALITY = 90  # JPEG quality of stored training images (FFCV's and DALI's usual)
 FULL_CHROMA_BELOW = 64  # images with a shorter side below this keep full-resolution colour (4:4:4), larger ones 4:2:0
@@ -263,12 +263,12 @@ def begin_writing(path, count):
     except StaleCache as e:
         if path.exists():
             LOGGER.warning(f"data.cache=jpeg: rewriting {short_path(path)}: {e}")
-    tmp = temporary(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         for leftover in clean_leftovers(path):
             LOGGER.info(f"{colorstr('data:')} removed {short_path(leftover)}, left by a writer that is gone")
-        open(tmp, "wb").close()  # empty: this process's own, from an earlier start in it, is written anew
+        tmp = temporary(path)  # locked by this process until it is renamed or removed
+        open(tmp, "wb").close()
     except OSError as e:
         raise write_error(path, e) from None
     return tmp
@@ -419,7 +419,7 @@ def write_shared(source, path, tmp, form, transform, store, job, work, topology)
         raise
     finally:
         if topology.local_rank == 0 and tmp.exists():  # after an error; renamed otherwise
-            tmp.unlink()
+            remove(tmp)  # its lock too
 
 
 ROW = np.dtype([("image", "<i8"), ("channels", "<i4"), ("row", INDEX_DTYPE)])  # a row, its image and channels

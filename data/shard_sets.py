@@ -14,15 +14,17 @@ shuffled shard order, so a stretch of steps reads a few shards, not all of them.
 
 Fetching: a shard behind a URL is fetched once per machine into a node-local cache (data.cache_dir, by default
 datasets/shard-cache/) that its ranks and DataLoader workers share: one process downloads it under a file lock
-while the others wait for the lock and then find it there; it is written under a temporary name, checked against
-its SHA-256 and renamed, so a half-fetched or damaged shard is never read. A cached shard is named by its SHA-256,
-so a changed shard is never taken for the old one. Local rank 0's workers fetch the next window's shards ahead.
-A fetch that fails is retried with back-off, each failure and each try that waits long for an answer said on rank 0,
-then the run stops with one line naming the URL and the option that names the set (train.py's data.name, val.py's
---data). The top file and indexes fetched are kept in the cache too: val.py reads its split's index only, and reads
-those copies when the server cannot be reached, so a run's cached shards are evaluated without it. Local shards are
-read where they are. A shard opened (with wids' IndexedTarSamples) is checked against its index's size and sample
-count, and every image's bytes against their CRC-32 as they are read.
+while the others wait for the lock as long as its download moves, then find it there (fetch_lock); it is written
+under a temporary name, checked against its SHA-256 and renamed, so a half-fetched or damaged shard is never read.
+A cached shard is named by its SHA-256, so a changed shard is never taken for the old one. Local rank 0's workers
+fetch the next window's shards ahead.
+A try of a fetch ends by a deadline whatever the server sends (utils/download.py: its answer within FETCH_TIMEOUT,
+its body at FETCH_MIN_RATE); a fetch that fails is retried with back-off, each failure and each try that waits long
+for an answer said on rank 0, then the run stops with one line naming the URL and the option that names the set
+(train.py's data.name, val.py's --data). The top file and indexes fetched are kept in the cache too: val.py reads
+its split's index only, and reads those copies when the server cannot be reached, so a run's cached shards are
+evaluated without it. Local shards are read where they are. A shard opened (with wids' IndexedTarSamples) is
+checked against its index's size and sample count, and every image's bytes against their CRC-32 as they are read.
 
 A set's files may come from anyone's server, so every field of the top file and indexes is checked before use
 (digests, counts, files named inside the set and, at a URL, on the origin of the file that names them or on
@@ -32,10 +34,10 @@ stops at its index's size, which its temporary file holds in data.shard_cache_gb
 
 import collections
 import contextlib
-import fcntl
 import hashlib
 import http.client
 import io
+import itertools
 import json
 import os
 import re
@@ -57,8 +59,9 @@ from data.cache import decode_crop, packed, seeded_crops
 from data.transforms import train_transforms
 from data.sampler import sample_seed, shard_permutation
 from data.verify import UNREADABLE, decode, unreadable_reason
+from utils.download import Refused, TooLong, fetch
 from utils.memory import size_text
-from utils.once import atomic_write
+from utils.once import LOCK, atomic_write, clean_leftovers, locked, written
 from utils.general import DATASETS_DIR, LOGGER, DatasetError, ImageError, colorstr, short_path
 
 TOP = "dataset.json"  # the top file of a shard set: classes and the splits' indexes
@@ -66,19 +69,23 @@ KIND = "cls-shards-v1"
 INDEX_KIND = "wids-shard-index-v1"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".ppm", ".tif", ".tiff")
 FETCH_TRIES = 6  # a failing fetch is tried this many times, waiting 1, 2, 4, 8, 16 s (CLS_FETCH_BACKOFF x) between
-FETCH_TIMEOUT = 60  # seconds without a byte from the server before a try fails
-FETCH_MIN_RATE = 100e3  # bytes a second: a try arriving slower on average (after FETCH_TIMEOUT) fails
+FETCH_TIMEOUT = 60  # seconds from a try's start to the server's whole answer (status line, headers); and per byte
+FETCH_MIN_RATE = 100e3  # bytes a second: a try ends FETCH_TIMEOUT + the size at this rate after its start
 ANSWER_NOTICE = 5  # seconds a try waits for the server's answer before rank 0 says it is waiting
 # The most bytes read of a fetched top file and index, so that a server cannot fill memory with one: every rank
-# parses them whole. The top file holds class names (ImageNet-21k's 21,841 take under 1 MB); the writers write
-# about 40 bytes a sample into an index, so 1 GiB holds 25 million samples, ImageNet-21k's 14 million with room.
+# parses them whole. The top file holds class names (ImageNet-21k's 21,841 take under 1 MB). An index holds what
+# a sample needs: the writers' compact JSON of a label, a CRC-32 and [height, width] takes 26 to 30 bytes, 40 with
+# other tools' spaces; 20 million samples, ImageNet-21k's 14.2 million with 40% room, make 800 MB. Parsed, a
+# shard's lists become arrays as they are read (per_sample_arrays): an index costs a rank about 3.5x its bytes, not
+# 12x (ImageNet-21k's, 373 MB: 1.2 GB, not 4.3).
 TOP_BYTES = 64 * 2**20
-INDEX_BYTES = 2**30
+INDEX_SAMPLE_BYTES, INDEX_SAMPLES = 40, 20_000_000
+INDEX_BYTES = INDEX_SAMPLE_BYTES * INDEX_SAMPLES
 SHARD_BYTES = 2**40  # the most a shard's filesize may say: far above the 1 GB WebDataset advises
 COUNT_MOST = 10**9  # the most samples a shard (or a split's count in the top file) may hold
 SHA256 = re.compile(r"[0-9a-f]{64}")
 CACHED = re.compile(r"[0-9a-f]{16}-.*", re.S)  # a cached shard: its SHA-256's start, then its name (ShardCache.local)
-FETCHING = re.compile(r"\.[0-9a-f]{16}-.*\.tmp-.*", re.S)  # one being fetched (ShardCache.fetch)
+FETCHING = re.compile(r"\.([0-9a-f]{16}-.*)\.tmp-.*", re.S)  # one being fetched, or its lock (ShardCache.fetch)
 
 
 def is_url(name):
@@ -151,19 +158,6 @@ class CacheWriteError(Exception):
     """The node cache's disk failed a write (full, read-only): not the server's fault, so not retried."""
 
 
-class ShortTransfer(OSError):
-    """The server closed the connection before the body's announced length: retried."""
-
-
-class LongTransfer(OSError):
-    """The server sent more than the file may hold (a stream without end): retried."""
-
-
-class Refused(Exception):
-    """A transfer ruled out before its body is read (a length the index contradicts, a redirect to another host): not
-    retried."""
-
-
 def origin(url):
     """(scheme, host, port) of a URL, the port its scheme's where it names none."""
     parts = urllib.parse.urlsplit(url)
@@ -198,39 +192,36 @@ class KeptRedirects(urllib.request.HTTPRedirectHandler):
 
 
 def download(url, out, limit, exact=False, what="the shard", answered=lambda: None, hosts=()):
-    """Copy url's body into the file object out (from its start, out cut at its end), 1 MiB at a time, calling
-    answered() once the server has answered; redirects are followed on url's origin or to hosts. The body may hold
+    """Copy url's body into the file object out (from its start, out cut at its end) with utils/download.py's
+    bounds: the server's answer within FETCH_TIMEOUT s of the start, then the body at FETCH_MIN_RATE on average,
     limit bytes at most (exact: the shard index's size, which a Content-Length must announce, else the transfer is
-    refused unread). A body longer than that (a server streaming without end), shorter than announced, or arriving
-    slower than FETCH_MIN_RATE on average (a trickling server), fails the try; every read waits FETCH_TIMEOUT s."""
+    refused unread); answered() is called once the server has answered; redirects are followed on url's origin or
+    to hosts. A failure (Refused aside) fails the try."""
     out.seek(0)  # not truncated: a shard's temporary file keeps the size it reserves (ShardCache.fetch)
-    started, received = time.monotonic(), 0
-    with urllib.request.build_opener(KeptRedirects(hosts)).open(url, timeout=FETCH_TIMEOUT) as response:
+
+    def checked(announced):
         answered()
-        announced = response.headers.get("Content-Length")
-        announced = int(announced) if announced and announced.isdigit() else None
         if exact and announced not in (None, limit):
             raise Refused(f"the server announces {announced} bytes, the shard index says {limit}: the shard was "
                           f"changed since its index was written")
-        if announced is not None and announced > limit:
-            raise Refused(f"the server announces {announced} bytes: {what} is read up to {size_text(limit)}")
-        expected = announced or (limit if exact else 0)  # 0: unknown
-        while chunk := response.read1(min(1 << 20, limit + 1 - received)):  # what has arrived: read() would wait
-            received += len(chunk)
-            if received > limit:
-                raise LongTransfer(f"the server sent more than the {limit} bytes the shard index says" if exact else
-                                   f"the server sent more than {size_text(limit)}: {what} is read up to that")
-            try:
-                out.write(chunk)
-            except OSError as e:
-                raise CacheWriteError(e.strerror or str(e)) from None
-            elapsed = time.monotonic() - started
-            if elapsed > FETCH_TIMEOUT + max(expected, received) / FETCH_MIN_RATE:
-                raise TimeoutError(f"{received} of {expected or 'unknown'} bytes in {elapsed:.3g} s: slower than "
-                                   f"{FETCH_MIN_RATE / 1e3:,.0f} kB/s on average")
+    try:
+        fetch(url, cache_writes(out), limit, FETCH_TIMEOUT, FETCH_MIN_RATE, what, expected=limit if exact else None,
+              redirects=KeptRedirects(hosts), answered=checked)
+    except TooLong:
+        if not exact:
+            raise
+        raise TooLong(f"the server sent more than the {limit} bytes the shard index says") from None
     out.truncate()
-    if announced is not None and received != expected:
-        raise ShortTransfer(f"the connection closed after {received} of {expected} bytes")
+
+
+def cache_writes(out):
+    """out.write, its failures the node cache's disk's (CacheWriteError), not the server's."""
+    def write(chunk):
+        try:
+            out.write(chunk)
+        except OSError as e:
+            raise CacheWriteError(e.strerror or str(e)) from None
+    return write
 
 
 def retried(url, work, error=ImageError, then=RESUME, dns=True, tries=FETCH_TRIES, instead=None):
@@ -270,19 +261,23 @@ def retried(url, work, error=ImageError, then=RESUME, dns=True, tries=FETCH_TRIE
                 f"{backoff() * (2 ** (tries - 1) - 1):.3g} s ({reason}); {then}")
 
 
-def read_json(location, kind, what, fields, cache=None, limit=TOP_BYTES, check=lambda content: None, hosts=()):
+def read_json(location, kind, what, fields, cache=None, limit=TOP_BYTES, check=lambda content: None, hosts=(),
+              hook=None):
     """A JSON file of the given __kind__ with fields {field: type}, read up to limit bytes and given to check (which
-    raises on a bad field) before its copy is kept, with errors that name it, the field and data.name; cache, hosts:
-    see read_location."""
+    raises on a bad field) before its copy is kept, with errors that name it, the field and data.name; whatever the
+    bytes, one line (DatasetError). hook: json's object_hook; cache, hosts: see read_location."""
 
     def parsed(raw):
         try:
-            content = json.loads(raw)
+            content = json.loads(raw, object_hook=hook)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise DatasetError(f"data.name: {location}: {what} is not JSON ({e})") from None
+        except (RecursionError, ValueError) as e:  # brackets nested too deep; a number of over 4,300 digits
+            raise DatasetError(f"data.name: {location}: {what} is JSON too deeply nested or too long to read "
+                               f"({str(e).partition(';')[0]})") from None
         if not isinstance(content, dict) or content.get("__kind__") != kind:
             raise DatasetError(f"data.name: {location}: {what} is not a {kind} file (its __kind__ is "
-                               f"{content.get('__kind__') if isinstance(content, dict) else None!r})")
+                               f"{content.get('__kind__') if isinstance(content, dict) else None!r:.80})")
         for field, kind_of in fields.items():
             if not isinstance(content.get(field), kind_of):
                 raise DatasetError(f"data.name: {location}: {what} has no {field} {kind_of.__name__} (it has "
@@ -338,7 +333,7 @@ class ShardSplit:
     def __init__(self, index_location, classes, cache=None, hosts=()):
         self.location, self.classes, self.hosts = index_location, list(classes), hosts
         read_json(index_location, INDEX_KIND, "the shard index", {"shardlist": list}, cache, INDEX_BYTES, self.take,
-                  hosts)
+                  hosts, per_sample_arrays)
 
     def take(self, index):
         """The index's shards and per-sample lists, checked."""
@@ -370,23 +365,52 @@ def checked_entry(index_location, k, shard, hosts=()):
     if problem:
         raise DatasetError(f"data.name: {index_location}: shard {k}'s url {url[:120]!r} {problem}")
     check_counts(index_location, shard, is_url(index_location))
-    entry = {**{key: value for key, value in shard.items() if key not in ("labels", "crcs", "sizes")},
+    entry = {**{key: value for key, value in shard.items() if key not in PER_SAMPLE},
              "url": resolve(index_location, url)}
-    try:
-        labels, crcs, sizes = (np.asarray(shard.get(key, ())) for key in ("labels", "crcs", "sizes"))
-    except ValueError:  # ragged lists
-        labels = crcs = sizes = np.zeros(0)
-    if n == 0 and labels.size == crcs.size == sizes.size == 0:
-        return entry, (np.zeros(0, np.int64), np.zeros(0, np.uint32), np.zeros((0, 2), np.int64))
-    if labels.shape != (n,) or crcs.shape != (n,) or sizes.size != 2 * n:
+    columns = [shard.get(key, []) for key in PER_SAMPLE]
+    if not all(isinstance(column, (list, np.ndarray)) and len(column) == n for column in columns):
         raise malformed(index_location, f"{url} lacks a label, CRC-32 or size for each of its {n} samples")
-    if labels.dtype.kind not in "iu" or labels.min() < 0:  # kind: not bool, float or text
+    labels, crcs, sizes = (whole_numbers(column, pairs) for column, pairs in zip(columns, PER_SAMPLE.values()))
+    if labels is None or n and labels.min() < 0:
         raise malformed(index_location, f"{url}: its labels are not class indexes")
-    if crcs.dtype.kind not in "iu" or crcs.min() < 0 or crcs.max() >= 2**32:
+    if crcs is None or n and (crcs.min() < 0 or crcs.max() >= 2**32):
         raise malformed(index_location, f"{url}: its crcs are not CRC-32s")
-    if sizes.dtype.kind not in "iu" or sizes.shape != (n, 2) or sizes.min() <= 0:
+    if sizes is None or n and sizes.min() <= 0:
         raise malformed(index_location, f"{url}: its sizes are not [height, width] pairs of pixels")
-    return entry, (labels.astype(np.int64), crcs.astype(np.uint32), sizes.astype(np.int64))
+    return entry, (labels, crcs.astype(np.uint32), sizes)
+
+
+PER_SAMPLE = {"labels": False, "crcs": False, "sizes": True}  # an index entry's per-sample lists: of pairs?
+
+
+def per_sample_arrays(entry):
+    """A JSON object as json parses it (object_hook): a shard entry's per-sample lists made arrays at once, so that
+    an index's millions of numbers are never Python objects all together (12x its bytes); a list that is not
+    whole numbers is left for checked_entry to name."""
+    for key, pairs in PER_SAMPLE.items():
+        if (column := whole_numbers(entry.get(key), pairs)) is not None:
+            entry[key] = column
+    return entry
+
+
+def whole_numbers(values, pairs=False):
+    """A JSON list of whole numbers (pairs: of [a, b] pairs of them) as an int64 array, (n,) or (n, 2); None where it
+    is not one. Types are checked before numpy sees them: an array of text is as wide as its longest string."""
+    if isinstance(values, np.ndarray):  # made while parsing
+        return values
+    if type(values) is not list:
+        return None
+    numbers = values
+    if pairs:
+        if set(map(type, values)) - {list} or set(map(len, values)) - {2}:
+            return None
+        numbers = itertools.chain.from_iterable(values)
+    if set(map(type, numbers)) - {int}:  # type: not bool, float or text
+        return None
+    try:
+        return np.array(values, np.int64).reshape((-1, 2) if pairs else -1)
+    except OverflowError:  # beyond 64 bits
+        return None
 
 
 def check_counts(index_location, shard, fetched):
@@ -470,10 +494,9 @@ class ShardCache:
         return str(path)
 
     def fetch(self, url, path, shard):
-        """Download url to path once per machine: under a lock, into a temporary file of the shard's size (reserved
-        in the budget before the download, see make_room), checked, then renamed."""
-        with self.disk_errors(), open(self.made_folder() / f".{path.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # another process of this machine may be fetching it
+        """Download url to path once per machine: under its lock (fetch_lock), into a temporary file of the shard's
+        size (reserved in the budget before the download, see make_room), checked, then renamed."""
+        with self.disk_errors(), self.fetch_lock(url, path):
             if path.exists():
                 return
             with atomic_write(path) as tmp, open(tmp, "w+b") as out:  # removes what a killed fetch left
@@ -483,11 +506,17 @@ class ShardCache:
                 out.flush()
                 check_shard(url, tmp, shard)
 
+    def fetch_lock(self, url, path):
+        """Hold path's lock (.NAME.lock) while inside (utils/once.locked, which removes it after): another process
+        of this machine fetching it is waited on while its temporary file changes (bytes written, a try started
+        again), and STALL_SECONDS without end the wait with one line naming url and that process (Stalled)."""
+        return locked(self.made_folder() / f".{path.name}.lock", lambda: written(path),
+                      f"waiting for {url} to be fetched into {self.folder}")
+
     def reserve(self, tmp, nbytes):
         """Room for a download of nbytes, made under the folder's lock and held by its temporary file, cut to that
         size (sparse: no disk yet), so that fetches at the same time count each other (make_room)."""
-        with open(self.folder / ".room.lock", "w") as room:
-            fcntl.flock(room, fcntl.LOCK_EX)
+        with locked(self.folder / ".room.lock", doing=f"waiting to make room in {self.folder}"):
             self.make_room(nbytes)
             tmp.truncate(nbytes)
 
@@ -520,12 +549,15 @@ class ShardCache:
 
     def make_room(self, nbytes):
         """Remove the least recently opened cached shards until nbytes more fit the budget, beside the shards cached
-        and those being fetched (their temporary files hold their whole size from the start)."""
+        and those being fetched (their temporary files hold their whole size from the start); a killed fetch's
+        temporary file (its lock free) is removed first, holding no room."""
         if not self.budget:
             return
+        for name in {found[1] for path in self.folder.iterdir() if (found := FETCHING.fullmatch(path.name))}:
+            clean_leftovers(self.folder / name)
         cached, held = [], 0
         for path in self.folder.glob("*"):
-            if not (CACHED.fullmatch(path.name) or FETCHING.fullmatch(path.name)):
+            if not (CACHED.fullmatch(path.name) or FETCHING.fullmatch(path.name)) or path.name.endswith(LOCK):
                 continue  # a lock or a copy of an index
             with contextlib.suppress(FileNotFoundError):  # another process of this machine removed it just now
                 info = path.stat()

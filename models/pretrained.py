@@ -4,14 +4,12 @@ timm/NAME a timm pretrained tag, downloaded by torchvision's and timm's own mach
 fine-tuning controls of the pretrained part (model.backbone_lr, model.freeze_epochs)."""
 
 import hashlib
+import http.client
 import math
 import os
 import re
-import urllib.error
-import urllib.request
 from pathlib import Path
 from urllib.parse import urlparse
-from urllib.request import urlopen
 
 import torch
 import torchvision
@@ -20,6 +18,7 @@ from torch import nn
 
 from utils.checkpoint import load_checkpoint
 from utils.config import DataConfig
+from utils.download import Refused, fetch
 from utils.general import LOGGER, RANK, SharedError, UsageError, colorstr, error_line
 from utils.torch_utils import batchnorm_layers
 from utils.once import atomic_write, watching
@@ -29,8 +28,11 @@ from utils.once import once_per_machine as once_per_machine_writing
 # spelled is a name, anything else a file. timm's tags (a1_in1k, tv_in1k) are lower case, so for timm/NAME a value
 # is a tag unless it looks like a path.
 TORCHVISION_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
-READ_TIMEOUT = float(os.getenv("CLS_READ_TIMEOUT", 60))  # seconds a download waits for the server's next bytes
-DOWNLOAD_CHUNK = 1 << 20
+READ_TIMEOUT = float(os.getenv("CLS_READ_TIMEOUT", 60))  # seconds a download waits for the answer, and per byte
+# bytes a second: a download ends READ_TIMEOUT + its size at this rate after its start (a trickling server); low, as
+# the weights come over the internet: ResNet-50's 98 MB may take 80 minutes
+READ_MIN_RATE = float(os.getenv("CLS_READ_MIN_RATE", 20e3))
+WEIGHTS_BYTES = 2**34  # the most a weights file may hold: torchvision's largest (ViT-H/14 SWAG) is 2.5 GB
 
 
 def weights_kind(model_name, weights):
@@ -71,7 +73,7 @@ def download(weights, path, source, report):
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fetch_url(weights.url, path, match and match.group(1), report)
-    except (OSError, RuntimeError) as e:  # URLError and HTTPError are OSErrors; a wrong checksum a RuntimeError
+    except (OSError, http.client.HTTPException, Refused, RuntimeError) as e:  # fetch's failures; a wrong checksum
         return (f"{source}: cannot download {weights} from {weights.url} ({error_line(e) or type(e).__name__}); "
                 f"without internet, place a copy of that file at {path}, or train from scratch with "
                 f"model.weights=''")
@@ -79,22 +81,18 @@ def download(weights, path, source, report):
 
 
 def fetch_url(url, path, hash_prefix, report):
-    """Download url to path whole (utils/once.atomic_write), reporting each chunk's bytes; a read that waits
-    READ_TIMEOUT seconds fails (torch.hub's download has no timeout: a silent server held every rank forever). A
-    file whose SHA-256 does not start with hash_prefix is refused with torch.hub's words."""
+    """Download url to path whole (utils/once.atomic_write) with utils/download.py's bounds (the answer within
+    READ_TIMEOUT s, then READ_MIN_RATE on average; torch.hub's download has none: a silent server held every rank
+    forever), reporting the bytes of each chunk as it arrives. A file whose SHA-256 does not start with hash_prefix
+    is refused with torch.hub's words."""
     digest = hashlib.sha256()
-    request = urllib.request.Request(url, headers={"User-Agent": "cls"})
     with atomic_write(path) as tmp, open(tmp, "wb") as out:
-        try:
-            with urlopen(request, timeout=READ_TIMEOUT) as response:  # the environment's proxies apply
-                while chunk := response.read(DOWNLOAD_CHUNK):
-                    out.write(chunk)
-                    digest.update(chunk)
-                    report(len(chunk))
-        except (TimeoutError, urllib.error.URLError) as e:  # a proxy's silence comes as a URLError
-            if not isinstance(getattr(e, "reason", e), TimeoutError):
-                raise
-            raise TimeoutError(f"no answer for {READ_TIMEOUT:g} s") from None
+
+        def write(chunk):
+            out.write(chunk)
+            digest.update(chunk)
+            report(len(chunk))
+        fetch(url, write, WEIGHTS_BYTES, READ_TIMEOUT, READ_MIN_RATE, "a weights file", headers={"User-Agent": "cls"})
         if hash_prefix and not digest.hexdigest().startswith(hash_prefix):
             raise RuntimeError(f'invalid hash value (expected "{hash_prefix}", got "{digest.hexdigest()}")')
 

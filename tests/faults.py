@@ -12,6 +12,10 @@ it started (1-based; see StopVote):
     signal-torchrun-at-step:S:NAME  rank 0 sends signal NAME to torchrun's process group during step S, as Ctrl-C in
                              the terminal does: torchrun's workers run in sessions of their own, and it passes it on
     kill-rank-at-step:S:R    on torchrun's first attempt only, rank R SIGKILLs itself during step S
+    stop-rank-at-step:S:R    rank R SIGSTOPs itself (every thread: frozen) during step S; S and R may list one per
+                             torchrun attempt, S0/S1/...: attempt k stops at step Sk, attempts past the list run on
+    hang-rank-at-step:S:R    on torchrun's first attempt only, rank R's main thread hangs during step S (its other
+                             threads run on: stuck in I/O or a driver)
     nan-loss-at-step:S:R     rank R's training loss is nan in its S-th step
     low-memory-on-rank:R:MB  rank R's machine seems to have MB MiB of memory available, and no cgroup limit
     kill-in-jpeg-cache:R     rank R SIGKILLs itself as it writes its first images into its JPEG cache file
@@ -61,14 +65,17 @@ def on_save(action):
     return wrap
 
 
-def on_step(action):
-    """Wrap StopVote.cast (called once per voted step) so that action() runs during step S."""
+def on_step(action, every=False):
+    """Wrap StopVote.cast (called once per voted step) so that action() runs during step S (every: at each step,
+    given S)."""
     def wrap(s, *args):
         original = utils.stopping.StopVote.cast
 
         def cast(self, loss, step):
             counts["step"] += 1
-            if counts["step"] == int(s):
+            if every:
+                action(s, *args)
+            elif counts["step"] == int(s):
                 action(*args)
             return original(self, loss, step)
         utils.stopping.StopVote.cast = cast
@@ -114,6 +121,19 @@ def send_signal_to_torchrun(name):
 def kill_rank(rank):
     if RANK == int(rank) and RESTART_COUNT == 0:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def stop_rank(steps, rank):
+    """The fault of stop-rank-at-step: on_step calls it at every step, as S may differ per attempt."""
+    steps, ranks = [int(s) for s in steps.split("/")], [int(r) for r in rank.split("/")]
+    ranks += ranks[-1:] * (len(steps) - len(ranks))
+    if RESTART_COUNT < len(steps) and RANK == ranks[RESTART_COUNT] and counts["step"] == steps[RESTART_COUNT]:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def hang_rank(rank):
+    if RANK == int(rank) and RESTART_COUNT == 0:
+        hang()
 
 
 def nan_loss_at_step(s, rank):
@@ -179,7 +199,8 @@ def slow_to_say_on_rank(rank, seconds):
 FAULTS = {"killpg-after-save": on_save(save_then_killpg), "killpg-in-save": on_save(killpg_before_rename),
           "enospc-in-save": on_save(fail_with_enospc), "signal-at-step": on_step(send_signal),
           "signal-torchrun-at-step": on_step(send_signal_to_torchrun),
-          "kill-rank-at-step": on_step(kill_rank), "nan-loss-at-step": nan_loss_at_step,
+          "kill-rank-at-step": on_step(kill_rank), "stop-rank-at-step": on_step(stop_rank, every=True),
+          "hang-rank-at-step": on_step(hang_rank), "nan-loss-at-step": nan_loss_at_step,
           "low-memory-on-rank": low_memory_on_rank, "kill-in-jpeg-cache": in_jpeg_cache_write(lambda: os.kill(
               os.getpid(), signal.SIGKILL)), "hang-in-jpeg-cache": in_jpeg_cache_write(hang), "as-host": as_host,
           "fail-while-others-wait": fail_while_others_wait, "slow-to-say-on-rank": slow_to_say_on_rank}

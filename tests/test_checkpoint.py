@@ -3,6 +3,9 @@
 import errno
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -12,7 +15,7 @@ from omegaconf import OmegaConf
 import train
 import utils.checkpoint
 import utils.run
-from conftest import make_image_folder, run_torchrun
+from conftest import ROOT, clean_env, make_image_folder, run_torchrun
 from models import build_model
 from test_resume import RECIPE, assert_same_run, free_port
 from utils.checkpoint import load_checkpoint, restore, save_checkpoint, save_state
@@ -146,6 +149,7 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 def test_stop_vote_counts_a_signal_and_a_non_finite_loss_one_step_later():
     before = signal.getsignal(signal.SIGTERM)
     with StopVote(torch.device("cpu")) as vote:
+        vote.started = True  # training: a signal asks for a stop (before, it ends the process at once)
         assert vote.cast(torch.tensor(1.0), 0) == (False, None)
         assert vote.cast(torch.tensor(float("inf")), 1) == (False, None)
         assert vote.cast(torch.tensor(2.0), 2) == (False, 1)  # step 1's loss, counted at step 2
@@ -161,22 +165,28 @@ def test_bare_resume_followed_by_overrides_takes_them_as_overrides():
     assert train.parse_args(["--resume", "runs/train/exp", "train.epochs=30"]).resume == "runs/train/exp"
 
 
-def test_a_sigterm_during_start_up_stops_the_run_after_its_first_steps_with_a_checkpoint(image_folder, tmp_path,
-                                                                                            monkeypatch, log):
-    root = image_folder({"train": {"a": 8, "b": 8}, "val": {"a": 2, "b": 2}}, size=8)
-    prepare_run = train.prepare_run
-
-    def interrupted(*args, **kwargs):  # preemption while the recipe is read, before data, model and run directory
-        os.kill(os.getpid(), signal.SIGTERM)  # (a Ctrl-C then ends the run at once: test_torchrun_summary.py)
-        return prepare_run(*args, **kwargs)
-    monkeypatch.setattr(train, "prepare_run", interrupted)
-    with pytest.raises(SystemExit) as stopped:
-        train.main(["--recipe", "cls.yaml", f"data.name={root}", "train.batch_size=4", "model.width=4",
-                    f"project={tmp_path}"])
-    assert stopped.value.code == 128 + signal.SIGTERM
-    saved = load_checkpoint(tmp_path / "exp" / "weights" / "last.pt")
-    assert (saved["epoch"], saved["step"]) == (0, 2)  # the vote of step 1 is counted after step 2
-    assert "Stopped at epoch 1, step 2/4" in log.text
+def test_a_sigterm_during_a_start_up_fetch_ends_the_process_within_seconds(tmp_path):
+    # A server that takes the connection and never answers: the top file's fetch waits up to its timeout (60 s) a
+    # try, over 6 tries. A scheduler's SIGTERM there must end the process at once, as a Ctrl-C does: there is no step
+    # to finish and nothing to save.
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        url = f"http://127.0.0.1:{server.getsockname()[1]}/set"
+        process = subprocess.Popen([sys.executable, "train.py", "--recipe", "cls.yaml", f"data.name={url}",
+                                    "data.cache=none", f"project={tmp_path / 'runs'}"], cwd=ROOT, env=clean_env(),
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            server.settimeout(120)
+            connection, _ = server.accept()  # train.py is fetching
+            process.send_signal(signal.SIGTERM)
+            _, stderr = process.communicate(timeout=30)
+            connection.close()
+        finally:
+            process.kill()
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert stderr.strip().splitlines() == ["SIGTERM: stopped while starting, before any training; nothing was saved"]
+    assert not (tmp_path / "runs").exists()
 
 
 def test_resume_refuses_a_checkpoint_that_is_not_the_runs_latest_state(tmp_path, capsys):

@@ -319,7 +319,8 @@ def start_writing(root, cache):
                               env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               start_new_session=True)
     for _ in range(1200):  # the temporary file is made once the images are listed, in a second or two
-        if (tmp := [p for p in cache.glob(".*.jpegcache.tmp-*")]) or writer.poll() is not None:
+        if (tmp := [p for p in cache.glob(".*.jpegcache.tmp-*") if not p.name.endswith(".lock")]) or \
+                writer.poll() is not None:
             break
         time.sleep(0.1)
     assert len(tmp) == 1 and writer.poll() is None, writer.communicate()

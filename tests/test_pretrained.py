@@ -6,9 +6,11 @@ epochs, which resume exactly."""
 import contextlib
 import email.message
 import importlib.machinery
+import re
 import socket
 import sys
 import threading
+import time
 import types
 import urllib.error
 
@@ -19,10 +21,12 @@ from omegaconf import OmegaConf
 
 import models.pretrained
 import train
+import utils.download
 from conftest import console_lines, make_image_folder, read_results, run_python, run_torchrun
 from models import build_model, head_keys, start_from
 from models.pretrained import (cache_path, fine_tuning, follow_weights, torchvision_weights, weights_kind,
                                weights_preprocessing)
+from test_download import byte_at_a_time
 from utils.checkpoint import load_checkpoint
 from utils.config import IMAGENET_MEAN, IMAGENET_STD, ModelConfig, OptimConfig, SchedConfig, load_recipe
 from utils.general import SharedError, UsageError
@@ -92,15 +96,14 @@ def test_the_download_happens_once_into_the_cache(torch_home, monkeypatch, log):
 
 
 class Response:
-    """What urlopen returns, serving chunks of bytes, then a chunk that is an exception raised mid-download."""
+    """What urllib's opener returns, serving chunks of bytes, then a chunk that is an exception raised
+    mid-download."""
 
     def __init__(self, chunks):
         self.chunks = list(chunks)
+        self.headers = email.message.Message()  # without a Content-Length
 
-    def info(self):
-        return email.message.Message()  # headers, without a Content-Length
-
-    def read(self, size):
+    def read1(self, size):
         chunk = self.chunks.pop(0) if self.chunks else b""
         if isinstance(chunk, Exception):
             raise chunk
@@ -126,7 +129,7 @@ def test_a_failed_download_names_the_weights_url_and_cache_file_and_leaves_nothi
         if isinstance(network, Exception):
             raise network
         return network
-    monkeypatch.setattr(models.pretrained, "urlopen", urlopen)
+    monkeypatch.setattr(utils.download, "opener", lambda *args: types.SimpleNamespace(open=urlopen))
     root = image_folder({"train": {"a": 2, "b": 2}, "val": {"a": 1, "b": 1}})
     with pytest.raises(SystemExit) as exit_info:
         train.main(["--recipe", "folder.yaml", f"data.name={root}", "data.img_size=16", "train.batch_size=4",
@@ -391,6 +394,27 @@ def test_a_server_that_never_answers_fails_the_download_after_the_read_timeout_a
     with pytest.raises(TimeoutError, match=r"^no answer for 0.5 s$"):
         models.pretrained.fetch_url(f"http://{silent_server}/w.pth", tmp_path / "w.pth", None, reported.append)
     assert reported == [] and list(tmp_path.iterdir()) == []
+
+
+def test_a_trickling_weights_server_ends_at_its_rate_bound_naming_the_url_and_reports_each_byte_as_it_comes(
+        torch_home, monkeypatch):
+    monkeypatch.setattr(models.pretrained, "READ_TIMEOUT", 0.5)  # a byte every 0.05 s: each read is answered in time
+    monkeypatch.setattr(models.pretrained, "READ_MIN_RATE", 1e6)  # 1 MB announced: 0.5 + 1 s in all
+    announced = b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n"
+    reported = []
+    with byte_at_a_time(b"x" * 60, head=announced) as url:  # 60 bytes, then the connection closes, at 3 s
+        monkeypatch.setattr(RESNET18.value, "url", f"{url}/resnet18-f37072fd.pth")
+        start = time.monotonic()
+        line = models.pretrained.download(RESNET18, torch_home, "model.weights=DEFAULT", reported.append)
+        assert time.monotonic() - start < 2.9  # before the server closes
+    took = re.search(r" bytes in ([\d.]+) s", line).group(1)
+    assert line == (f"model.weights=DEFAULT: cannot download ResNet18_Weights.IMAGENET1K_V1 from {url}/resnet18-"
+                    f"f37072fd.pth ({sum(reported)} of 1000000 bytes in {took} s: slower than 1,000 kB/s on "
+                    f"average); without internet, place a copy of that file at {torch_home}, or train from scratch "
+                    f"with model.weights=''")
+    assert 1.5 <= float(took) < 2.9
+    assert len(reported) > 5 and sum(reported) < 60  # reported as they came, the waiting ranks see them
+    assert list(torch_home.parent.iterdir()) == []
 
 
 @pytest.mark.parametrize("proxy", ["https_proxy", "http_proxy"])

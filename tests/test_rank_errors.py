@@ -103,9 +103,32 @@ def test_a_hung_cache_writer_is_named_as_the_one_that_made_no_progress(tmp_path,
                           "data.cache=jpeg", f"data.cache_dir={tmp_path / 'cache'}", f"project={tmp_path / 'runs'}",
                           timeout=120)
     assert result.returncode != 0
-    line = (rf"train.py: rank 1 on {HOST}: stopped waiting for local rank 0 to write \S+train\S+\.jpegcache: "
-            rf"rank 0 on {HOST} \(pid \d+\) made no progress for 5 s \(at \d+\)")
-    # Said once on the console (after rank 0's progress bar, on its line) and once as torchrun's root cause
-    assert len(re.findall(rf"{line}\n", result.stderr)) == 2 and re.search(rf"traceback : {line}\n", result.stderr), \
+    cache = r"\S+train\S+\.jpegcache"
+    waiter = (rf"train.py: rank 1 on {HOST}: stopped waiting for local rank 0 to write {cache}: rank 0 on {HOST} "
+              rf"\(pid \d+\) made no progress for 5 s \(at \d+\)")
+    hung = (rf"train.py: error: rank 0 on {HOST}: made no progress for 5 s \(at \d+\), while rank 1 on {HOST} was "
+            rf"waiting for local rank 0 to write {cache}")
+    # The waiter's line once on the console; the hung rank, which ends itself on being named, says its own there and
+    # is torchrun's root cause
+    on_console = r"(?<!traceback : )"  # after rank 0's progress bar, on its line
+    assert len(re.findall(rf"{on_console}{waiter}\n", result.stderr)) == 1, result.stderr[-3000:]
+    assert len(re.findall(rf"{on_console}{hung}\n", result.stderr)) == 1, result.stderr[-3000:]
+    root_cause = result.stderr.split("Root Cause")[-1]
+    assert re.search(rf"rank      : 0 \(local_rank: 0\)\n  exitcode  : 2 .*\n.*\n  traceback : {hung}\n", root_cause), \
         result.stderr[-3000:]
-    assert "train.py: error:" not in result.stderr, result.stderr[-3000:]  # rank 1 does not blame itself
+
+
+def test_a_rank_that_hangs_on_another_machine_is_named_there_and_ends_with_its_agent(tmp_path):
+    data = make_image_folder(tmp_path / "data", {"train": {"a": 6, "b": 6}, "val": {"a": 2, "b": 2}})
+    # One process a node; node 1's rank 1 hangs, alive, at its 2nd vote (epoch 1, step 2): rank 0 names it, and it
+    # ends on that (its agent with it) rather than waiting in its sleep until killed.
+    nodes = two_nodes(tmp_path, [*RECIPE, f"data.name={data}", "train.epochs=2", "train.hang_seconds=3"], [],
+                      "hang-rank-at-step:2:1", nproc=1, timeout=120)
+    (code0, out0), (code1, out1) = nodes
+    assert code0 != 0 and code1 != 0, out0[-3000:] + out1[-3000:]
+    said = (f"train.py: error: rank 1 on {HOST}: made no progress for 3 s while the other ranks waited for it, last "
+            f"seen at epoch 1, step 2/3 (in the step); the job ends here")
+    assert [line.split("; the job")[0] for line in error_lines(out0)] == [said.split("; the job")[0]], out0[-3000:]
+    assert [line.split("; the job")[0] for line in error_lines(out1)] == [said.split("; the job")[0]], out1[-3000:]
+    assert f"traceback : {said}" in out1.split("Root Cause")[-1], out1[-3000:]
+    assert "]: Traceback" not in out0 + out1  # no rank's traceback of a collective broken by the rank that ended

@@ -2,6 +2,7 @@
 processes); torchrun restarts, preemption signals, non-finite losses and a full disk end cleanly on every rank."""
 
 import csv
+import random
 import socket
 import subprocess
 import sys
@@ -143,6 +144,57 @@ def test_torchrun_restarts_a_killed_worker_and_continues_the_same_run(data, refe
                     f"project={tmp_path}", max_restarts=1)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "torchrun restart 1: continuing" in result.stdout and "resuming at epoch 2, step 1" in result.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["exp"]
+    assert_same_run(tmp_path / "exp", reference[2])
+
+
+def root_cause(stderr):
+    """torchrun's summary of the failure it names as the root cause."""
+    return stderr.split("Root Cause (first observed failure):")[-1]
+
+
+def test_a_rank_frozen_mid_training_is_named_in_seconds_and_the_run_resumes_exactly(data, reference, tmp_path):
+    # Rank 1 SIGSTOPs itself at its 4th vote (epoch 1's end). Without the watchdog, rank 0 waits in gloo for 600 s
+    # and is torchrun's root cause; the timeout below is far shorter.
+    result = launch(2, "tests/faults.py", "stop-rank-at-step:4:1", "train.py", *RECIPE, f"data.name={data}",
+                    f"project={tmp_path}", "train.hang_seconds=3")
+    line = (f"train.py: error: rank 1 on {socket.gethostname()}: gave no sign of life for 3 s (stopped, frozen, or its "
+            f"machine is gone), last seen at ")
+    assert result.returncode != 0 and len(console_lines(result.stderr, line)) == 1, result.stderr[-3000:]
+    cause = root_cause(result.stderr)
+    assert "rank      : 1 (local_rank: 1)" in cause and f"traceback : {line}" in cause, result.stderr[-3000:]
+    # Rank 0 ended the frozen rank: torchrun did not wait out its 30 s for a SIGTERM that a stopped process ignores
+    assert "forcefully exiting via" not in result.stderr, result.stderr[-3000:]
+    result = launch(2, "train.py", "--resume", tmp_path / "exp")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_same_run(tmp_path / "exp", reference[2])
+
+
+def test_a_rank_whose_main_thread_hangs_is_named_and_ends_itself(data, tmp_path):
+    # Rank 1's main thread sleeps at its 2nd vote (epoch 1, step 2) while its watch thread lives: rank 0 finds it
+    # standing still behind it, and rank 1 ends on being named, as torchrun's root cause.
+    result = launch(2, "tests/faults.py", "hang-rank-at-step:2:1", "train.py", *RECIPE, f"data.name={data}",
+                    f"project={tmp_path}", "train.hang_seconds=3", "train.save_every_steps=0")
+    line = (f"train.py: error: rank 1 on {socket.gethostname()}: made no progress for 3 s while the other ranks waited "
+            f"for it, last seen at epoch 1, step 2/3 (in the step); the job ends here")
+    assert result.returncode != 0 and len(console_lines(result.stderr, line)) == 1, result.stderr[-3000:]
+    cause = root_cause(result.stderr)
+    assert "rank      : 1 (local_rank: 1)" in cause and "exitcode  : 2" in cause and line in cause, cause
+
+
+@pytest.mark.parametrize("seed", [0])
+def test_ranks_frozen_at_random_moments_under_torchrun_restarts_end_bit_identical(data, reference, tmp_path, seed):
+    # Three attempts, each frozen at a random vote of a random rank (the ranks are named and ended, torchrun starts
+    # the group again from last.pt), then a fourth that runs to the end: one run directory, the unbroken run's
+    # weights and logs.
+    rng = random.Random(seed)
+    steps, ranks = zip(*[(rng.randint(2, 6), rng.randint(0, 1)) for _ in range(3)])
+    fault = f"stop-rank-at-step:{'/'.join(map(str, steps))}:{'/'.join(map(str, ranks))}"
+    result = launch(2, "tests/faults.py", fault, "train.py", *RECIPE, f"data.name={data}", f"project={tmp_path}",
+                    "train.hang_seconds=3", max_restarts=3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("gave no sign of life for 3 s") == 3, (fault, result.stderr[-3000:])
+    assert "torchrun restart 3: continuing" in result.stdout, result.stdout[-3000:]
     assert [p.name for p in tmp_path.iterdir()] == ["exp"]
     assert_same_run(tmp_path / "exp", reference[2])
 

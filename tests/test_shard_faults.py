@@ -9,6 +9,7 @@ import json
 import shutil
 import socket
 import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -20,11 +21,14 @@ from PIL import Image
 
 import data.shard_sets as shard_sets
 import data.shards as shards
-from conftest import closed_port, console_lines, http_server, run_python
+import utils.once
+from conftest import ROOT, closed_port, console_lines, http_server, run_python
 from data.shard_sets import ShardCache, ShardSamples, open_shard_set
+from test_download import SLOW_ANSWER, byte_at_a_time
 from test_n_invariance import served_shards, write_images
 from test_shards import RECIPE, jpeg_file, members, png_file
 from utils.general import DatasetError, ImageError
+from utils.once import HOST, Stalled
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +60,7 @@ def test_a_transfer_cut_short_is_fetched_again_and_one_always_cut_is_named(shard
     assert str(error.value) == (f"data.name: {shard['url']} cannot be fetched after 6 tries over 0.31 s (the "
                                 f"connection closed after {half} of {shard['filesize']} bytes); check the server, "
                                 f"then resume the run (weights/last.pt holds its last saved step)")
-    assert sorted(p.name for p in (tmp_path / "cache-2").iterdir()) == [f".{Path(path).name}.lock",
-                                                                        ".room.lock"]  # no half shard
+    assert list((tmp_path / "cache-2").iterdir()) == []  # no half shard, and no lock file either
 
 
 @pytest.mark.parametrize("no_length", [False, True])
@@ -75,6 +78,23 @@ def test_a_trickling_server_fails_each_try_after_its_time(shard_set, tmp_path, q
     assert "cannot be fetched after 6 tries" in str(error.value)
     assert f" of {shard['filesize']} bytes in 0.3" in str(error.value), str(error.value)
     assert " s: slower than 1,000,000 kB/s on average); check the server" in str(error.value), str(error.value)
+
+
+def test_a_server_sending_its_answer_a_byte_at_a_time_fails_each_try_at_its_deadline(tmp_path, quick_retries,
+                                                                                       monkeypatch):
+    monkeypatch.setattr(shard_sets, "FETCH_TIMEOUT", 0.3)  # each read is answered in time: the whole try is not
+    with byte_at_a_time(SLOW_ANSWER) as url:
+        shard = {"url": f"{url}/shards/train/train-000000.tar", "filesize": 100, "sha256": "0" * 64, "nsamples": 1}
+        start = time.monotonic()
+        with pytest.raises(DatasetError) as top:
+            open_shard_set(f"{url}/shards")
+        with pytest.raises(ImageError) as error:
+            ShardCache(tmp_path / "cache").local(shard)
+        assert time.monotonic() - start < 20  # 2 x 6 tries of 0.3 s; each answer would take 5 s
+    tries = "cannot be fetched after 6 tries over 0.31 s (no answer for 0.3 s); check the server"
+    assert str(top.value) == f"data.name: {url}/shards/dataset.json {tries} and data.name"
+    assert str(error.value) == (f"data.name: {shard['url']} {tries}, then resume the run (weights/last.pt holds its "
+                                f"last saved step)")
 
 
 def dead_pid():
@@ -298,6 +318,24 @@ def test_a_hostile_top_file_or_index_is_refused_naming_the_file_shard_and_field(
     assert str(error.value) == f"data.name: {where}: {message}"
 
 
+@pytest.mark.parametrize("file, what", [("dataset.json", "the shard set's top file"),
+                                        ("train/index.json", "the shard index")])
+@pytest.mark.parametrize("change, reason", [
+    (lambda text: text[:-1] + ', "deep": ' + "[" * 400_000, "maximum recursion depth exceeded"),  # 400 KB of [
+    (lambda text: text.replace("{", '{"long": ' + "9" * 5000 + ", ", 1), "Exceeds the limit (4300 digits) for "
+                                                                         "integer string conversion"),
+])
+def test_a_top_file_or_index_nested_too_deep_or_with_a_number_too_long_ends_the_run_in_one_line(
+        shard_set, tmp_path, file, what, change, reason):
+    local = tmp_path / "shards"
+    shutil.copytree(shard_set / "shards", local)
+    (local / file).write_text(change((local / file).read_text()))
+    result = run_python("train.py", *RECIPE, f"data.name={local}", f"project={tmp_path}")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
+    assert result.stderr.startswith(f"train.py: error: data.name: {local / file}: {what} is JSON too deeply nested "
+                                    f"or too long to read ({reason}"), result.stderr
+
+
 def test_an_index_s_digest_that_names_a_path_writes_and_reads_nothing_outside_the_cache(shard_set, tmp_path):
     """The issue's repro: a cache name built from sha256[:16] unchecked left data.cache_dir."""
     copy = tmp_path / "served"
@@ -421,6 +459,64 @@ def test_the_cache_budget_counts_the_shards_being_fetched(shard_set, tmp_path, m
     assert on_disk == ["train-000002.tar"]  # before b's fetch ended: a removed, c in
     assert sorted(p.name.split("-", 1)[1] for p in folder.glob("[0-9a-f]*")) == ["train-000001.tar",
                                                                                  "train-000002.tar"]
+
+
+# A fetch of path in another process: it takes path's lock as ShardCache.fetch_lock does, then writes a temporary
+# file for 1.5 s and stops there (its server silent, or the process SIGSTOPped), holding the lock.
+STALLING_FETCH = """import sys, time
+from pathlib import Path
+from utils.once import hold, temporary
+path = Path(sys.argv[1])
+hold(path.with_name(f".{path.name}.lock"))
+with open(temporary(path), "wb") as out:
+    print("fetching", flush=True)
+    for _ in range(15):
+        out.write(bytes(1000))
+        out.flush()
+        time.sleep(0.1)
+    time.sleep(60)
+"""
+
+
+def test_a_fetch_waits_on_another_s_lock_while_its_file_grows_then_stops_naming_it_and_the_shard(shard_set, tmp_path,
+                                                                                                 monkeypatch):
+    monkeypatch.setattr(utils.once, "STALL_SECONDS", 0.5)
+    with http_server(shard_set) as (url, _):
+        shard = open_shard_set(f"{url}/shards")[1]["train"].shards[0]
+        cache = ShardCache(tmp_path / "cache")
+        path = cache.made_folder() / f"{shard['sha256'][:16]}-{Path(shard['url']).name}"
+        fetch = subprocess.Popen([sys.executable, "-c", STALLING_FETCH, path], cwd=ROOT, stdout=subprocess.PIPE,
+                                 text=True)
+        try:
+            assert fetch.stdout.readline() == "fetching\n"
+            start = time.monotonic()
+            with pytest.raises(Stalled) as stalled:
+                cache.local(shard)
+            waited = time.monotonic() - start
+        finally:
+            fetch.kill()
+            fetch.wait()
+        assert 1.4 < waited < 10  # while its file grew (1.5 s), then the stall limit
+        assert str(stalled.value) == (f"rank 0 on {HOST}: stopped waiting for {shard['url']} to be fetched into "
+                                      f"{tmp_path / 'cache'}: pid {fetch.pid} on {HOST}, which holds its lock "
+                                      f".{path.name}.lock, made no progress for 0.5 s")
+        assert Path(cache.local(shard)).read_bytes() == served_file(shard_set, shard).read_bytes()  # killed: taken
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [path.name]  # its temporary and the locks removed
+
+
+def test_a_killed_fetch_s_temporary_file_holds_no_room_in_the_cache_budget(shard_set, tmp_path):
+    with http_server(shard_set) as (url, _):
+        a, b, c = open_shard_set(f"{url}/shards")[1]["train"].shards[:3]
+        folder = tmp_path / "cache"
+        cache = ShardCache(folder, budget=a["filesize"] + b["filesize"])
+        cache.local(a)
+        killed = run_python("-c", "import os, sys; from pathlib import Path; from utils.once import temporary\n"
+                                  "open(temporary(Path(sys.argv[1])), 'wb').truncate(int(sys.argv[2]))\n"
+                                  "os.kill(os.getpid(), 9)",  # a fetch of c killed: its size reserved, lock left
+                            folder / f"{c['sha256'][:16]}-{Path(c['url']).name}", c["filesize"])
+        assert killed.returncode == -9 and len(list(folder.glob(".*.tmp-*"))) == 2  # its temporary and lock file
+        cache.local(b)  # a and b fit the budget: c's temporary is no fetch under way
+    assert sorted(p.name.split("-", 1)[1] for p in folder.iterdir()) == ["train-000000.tar", "train-000001.tar"]
 
 
 def test_a_local_set_moved_before_a_resume_is_resumed_from_its_new_place(shard_set, tmp_path):

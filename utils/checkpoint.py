@@ -13,6 +13,7 @@ from utils.general import LOGGER, RANK, WORLD_SIZE, SharedError, UsageError
 from utils.once import atomic_write
 from utils.seeds import rng_states, set_rng_states
 from utils.torch_utils import de_parallel
+from utils.watchdog import PulsingFile
 
 TRAINING_KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "step", "classes", "recipe", "rng")
 
@@ -23,7 +24,7 @@ def save_checkpoint(state, path):
     path = Path(path)
     try:
         with atomic_write(path) as tmp, open(tmp, "wb") as f:
-            torch.save(state, f)
+            torch.save(state, PulsingFile(f))  # a slow disk's long save is not a hang (utils/watchdog.py)
     except OSError as e:
         raise UsageError(f"cannot save checkpoint {path}: {e.strerror or e}; the previous checkpoint there, if any, "
                          f"is intact") from None

@@ -91,6 +91,7 @@ class TrainConfig:
     best_metric: str = "auto"  # what best.pt and train.patience follow: top1, balanced_top1 (mean per-class recall) or map (multi-label); auto: top1, or map for multi-label
     threshold: float = 0.5  # multi-label: val F1, precision, recall and exact match count a label from this probability (per-class thresholds, chosen on val, are saved too)
     tta: bool = False  # validate with test-time augmentation: the mean softmax of each image and its horizontal flip
+    hang_seconds: float = 60.0  # several processes: a rank silent this long, or standing still while the others wait for it, is named and the job ended; 0: off (the collectives' 10-minute timeout)
 
 
 @dataclass
@@ -137,6 +138,7 @@ class Recipe:
 
 # What a resumed run may change: none of these changes what the run has trained so far.
 RESUME_KEYS = ("train.epochs", "train.patience", "train.save_every_steps", "train.log_every_steps", "train.accumulate",
+               "train.hang_seconds",
                "train.compile", "train.channels_last", "data.workers", "ddp.bucket_cap_mb",
                "ddp.gradient_as_bucket_view", "device", "project", "name")
 # Not ddp.comm_hook: like train.precision it changes every gradient's value (bf16 keeps 8 bits of it), not only the
@@ -193,6 +195,7 @@ CHANGES_RESULTS_WHEN = {
     # for runs that repeat exactly.
     **dict.fromkeys(("project", "name", "device", "data.workers", "data.cache_dir", "data.shard_cache_gb",
                      "data.shard_hosts", "data.skip_corrupt", "data.csv_allow_outside", "train.log_every_steps", "train.save_every_steps",
+                     "train.hang_seconds",
                      "train.compile", "train.channels_last", "train.deterministic", "ddp.bucket_cap_mb",
                      "ddp.gradient_as_bucket_view"), never),
 }
@@ -576,6 +579,8 @@ def check_train_values(cfg, require):
     require(0 <= cfg.train.ema_decay < 1, "train.ema_decay", "in [0, 1) (0 turns EMA off)")
     require(cfg.train.ema_steps >= 1, "train.ema_steps", ">= 1")
     require(cfg.train.patience >= 0, "train.patience", ">= 0 (0 trains every epoch)")
+    require(cfg.train.hang_seconds == 0 or cfg.train.hang_seconds >= 2, "train.hang_seconds",
+            "0 (off) or >= 2 (each rank shows it lives every 0.5 s)")
     require(cfg.train.log_every_steps >= 0, "train.log_every_steps", ">= 0 (0 logs the loss per epoch only)")
     require(cfg.train.precision in ("fp32", "bf16", "fp16", "auto"), "train.precision", "one of fp32, bf16, fp16, auto")
     require(cfg.train.class_weights in ("", "balanced"), "train.class_weights", "'' (off) or balanced")

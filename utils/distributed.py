@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import NamedTuple
 
@@ -19,6 +19,7 @@ import torch.distributed as dist
 from utils.general import (LOCAL_RANK, LOCAL_WORLD_SIZE, RANK, RESTART_COUNT, SHARE_ONE_GPU, WORLD_SIZE, SharedError,
                            UsageError, error_line, in_flags)
 from utils.torch_utils import TORCH_MINIMUM, check_version, de_parallel
+from utils.watchdog import LEFT, Watchdog, collective, hung_line, identity, pid_namespace, proc_start, published
 
 # How long a rank waits at a collective for the others. No rank works alone for long (validation and data checks are
 # shared, rank 0 only saves), so a rank that waits this long waits for one that is stuck.
@@ -33,7 +34,8 @@ FAILURE_POLL_S = 0.5  # how often each rank looks for another rank's failure in 
 STORE_TIMEOUT = timedelta(seconds=30)
 # This launch attempt's name and store, the event that stops watch_failures, and the lock held by the one thread
 # (the main one, or watch_failures) that says how this process ends; set when the process group is joined.
-_job = {"token": None, "store": None, "stop": threading.Event(), "said": threading.Lock()}
+_job = {"token": None, "store": None, "stop": threading.Event(), "said": threading.Lock(), "failed_here": False,
+        "ending": False}
 _when_failing = []  # what this process does before it ends on a failure (when_failing)
 
 
@@ -67,6 +69,8 @@ def exit_on_error(script, error, flags=None):
         if store is not None:
             record_failure(store, blamed_line, seconds, blamed_rank, blamed_host)
         say(f"{script}: {line}", seconds + 1)  # after the blamed rank's second: torchrun names it where it can
+        if store is not None:  # a blamed rank that lives ends on its record (end_as_named): let it end first
+            time.sleep(FAILURE_GRACE_S + 1)
         sys.exit(2)
     if store is not None:
         record_failure(store, line, seconds)
@@ -93,6 +97,8 @@ def stop_if_another_rank_failed(script):
     end this rank with code 2 and the line that names it, rather than a traceback of the broken collective."""
     run_failure_actions()
     first = first_failure(_job["store"])
+    if first == RANK and not _job["failed_here"]:  # another rank named this one as hung
+        end_as_named(script, _job["store"])
     if first is not None and first != RANK:
         say_stopped(script, first)
         sys.exit(2)
@@ -102,6 +108,7 @@ def record_failure(store, line, seconds, rank=RANK, host=HOST):
     """Put a rank's error line and the time it met it (seconds since the epoch) in the job's store, and that rank as
     the first that failed unless one was: this rank's, or those of another, one that died or stalled and cannot say
     its own."""
+    _job["failed_here"] |= rank == RANK  # this rank's own failure, not one another rank blamed on it
     try:
         store.set(f"error/{rank}", json.dumps({"host": host, "line": line, "time": seconds}))
         store.compare_set("first", "", str(rank))
@@ -109,11 +116,13 @@ def record_failure(store, line, seconds, rank=RANK, host=HOST):
         pass
 
 
-def first_failure(store):
-    """The rank that recorded the job's first failure, or None."""
+def first_failure(store, quiet=True):
+    """The rank that recorded the job's first failure, or None; quiet: None too when the store does not answer."""
     try:
         return int(store.get("first")) if store is not None and store.check(["first"]) else None
     except Exception:
+        if not quiet:
+            raise
         return None
 
 
@@ -159,13 +168,13 @@ def say(text, seconds=None):
         record_for_torchrun(text, seconds)
 
 
-def record_for_torchrun(line, seconds=None):
+def record_for_torchrun(line, seconds=None, path=None):
     """Write line as this worker's error where torchrun reads it (TORCHELASTIC_ERROR_FILE, in the format of torch's
     ErrorHandler), with no traceback: torchrun's summary shows the line alone. torchrun names as root cause the
     error with the earliest time, in whole seconds: a failed rank records the second it met its error (seconds,
     not when it gets to say it: a loaded machine can take longer than the others' FAILURE_GRACE_S), and a rank
     stopped by its failure the next one, so that the rank that failed is named, however the two are scheduled."""
-    path = os.getenv("TORCHELASTIC_ERROR_FILE")
+    path = path or os.getenv("TORCHELASTIC_ERROR_FILE")  # another rank's: one frozen on this machine (blame)
     if not path:  # one process: no torchrun to tell
         return
     seconds = int(time.time()) if seconds is None else seconds
@@ -175,28 +184,101 @@ def record_for_torchrun(line, seconds=None):
 
 
 def watch_failures(script, store, stop):
-    """Until stop is set (the process group is left): show that this process lives (sign_of_life); once another rank
-    records a failure, give this rank's own error FAILURE_GRACE_S to surface, then say the failed rank and end this
-    process, wherever its main thread waits (a collective with a rank that left can wait until DIST_TIMEOUT)."""
+    """Until stop is set (the process group is left): show that this process lives and where it is (sign_of_life);
+    name a rank that hangs (utils/watchdog.py: every rank watches the others); once another rank records a failure,
+    give this rank's own error FAILURE_GRACE_S to surface, then say the failed rank and end this process, wherever
+    its main thread waits (a collective with a rank that left can wait until DIST_TIMEOUT). A rank that another named
+    as hung ends with that line; every rank ends when the job's store is gone (its agent on the first machine
+    ended)."""
+    dog, published_moves = Watchdog(store), [None]
     while not stop.wait(FAILURE_POLL_S):
-        sign_of_life(store)
-        first = first_failure(store)
+        try:
+            sign_of_life(store, published_moves)
+            first = first_failure(store, quiet=False)
+            if first is None and (hung := dog.hung()):
+                first = blame(store, *hung)
+        except dist.DistError as e:
+            if stop.is_set() or not agent_store():
+                return
+            end_without_store(script, e)
         if first is None:
             continue
-        if first == RANK or stop.wait(FAILURE_GRACE_S) or _job["said"].locked():
+        _job["ending"] = True  # a stop signal now (torchrun's, for the failure) is no request to save
+        if first == RANK:
+            if _job["failed_here"]:
+                return  # this rank says its own error
+            end_as_named(script, store)
+        if stop.wait(FAILURE_GRACE_S) or _job["said"].locked():
             return
         run_failure_actions()
         say_stopped(script, first)
         os._exit(2)
 
 
-def sign_of_life(store):
+def ending():
+    """Whether this process is ending on a failure that its watch thread saw (its own or another rank's)."""
+    return _job["ending"]
+
+
+def sign_of_life(store, published_moves=None):
     """Count one on this rank's sign of life in the job's store: a rank whose count stands still is gone or stopped
-    (killed, SIGSTOPped, its machine down), whatever its work does (utils/once.wait_for reads it)."""
+    (killed, SIGSTOPped, its machine down), whatever its work does (utils/once.wait_for reads it); and publish this
+    rank's place in the run when it moved since published_moves[0] (utils/watchdog.py)."""
+    store.add(f"alive/{RANK}", 1)
+    if published_moves is not None:
+        place, moves = published()
+        if moves != published_moves[0]:
+            store.set(f"place/{RANK}", place)
+            published_moves[0] = moves
+
+
+def blame(store, rank, why, place, frozen):
+    """Record rank as hung (the job's first failure, so every rank stops naming it) and return it; one frozen on this
+    machine is ended here, its line first written where torchrun reads it, so that torchrun names it, not a
+    waiter."""
+    seconds, info = int(time.time()), json.loads(store.get(f"proc/{rank}"))
+    record_failure(store, hung_line(why, place), seconds, rank, info["host"])
+    if frozen and info["host"] == HOST and info["pidns"] == pid_namespace() and \
+            proc_start(info["pid"]) == info["start"] is not None:
+        line = f"{os.path.basename(sys.argv[0])}: error: rank {rank} on {HOST}: {hung_line(why, place)}"
+        record_for_torchrun(line, seconds, info["error_file"])
+        os.kill(info["pid"], signal.SIGKILL)
+    return rank
+
+
+def end_as_named(script, store):
+    """End this rank, which another rank named as hung (its main thread is stuck, its watch thread not): with the
+    line recorded for it, said on this machine's console and recorded for torchrun, whose summary then names this
+    rank as the root cause."""
+    run_failure_actions()
     try:
-        store.add(f"alive/{RANK}", 1)
-    except Exception:  # the store's host is gone: the waiters say so
-        pass
+        failed = json.loads(store.get(f"error/{RANK}"))
+        line, seconds = failed["line"], failed["time"]
+    except Exception:
+        line, seconds = "named as hung by another rank", int(time.time())
+    text = f"{script}: error: rank {RANK} on {HOST}: {line}"
+    if RANK >= LOCAL_WORLD_SIZE or RANK == 0:  # on rank 0's machine, rank 0 says it (say_stopped)
+        say(text, seconds)
+    elif _job["said"].acquire(blocking=False):
+        record_for_torchrun(text, seconds)
+    os._exit(2)
+
+
+def end_without_store(script, error):
+    """End this rank when the job's store does not answer: torchrun's agent that holds it (on the first machine) has
+    ended, so the job is over, and no collective of this rank will end by itself."""
+    if _job["said"].locked():
+        return
+    run_failure_actions()
+    say(f"{script}: rank {RANK} on {HOST} stopped: the job's store does not answer ({error_line(error)}); torchrun's "
+        "agent on the first machine, which holds it, has ended")
+    os._exit(2)
+
+
+def agent_store():
+    """Whether the job's store lives in torchrun's agent (it outlives every worker of a job that ends well), not in
+    rank 0's process (a launch without torchrun), where it is gone once rank 0 is."""
+    return os.getenv("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def distributed_backend(cuda_available, share_one_gpu=SHARE_ONE_GPU):
@@ -218,8 +300,9 @@ def setup_distributed():
                                 **restart_store())
         _job["token"] = broadcast_object(uuid.uuid4().hex)  # this attempt's own name in the store, drawn by rank 0
         _job["store"] = connect_job_store(_job["token"])
-        sign_of_life(_job["store"])  # before any other rank can wait on this one
-        _job["stop"], _job["said"] = threading.Event(), threading.Lock()
+        _job["store"].set(f"proc/{RANK}", identity(HOST))  # for a rank that ends this one if it freezes (blame)
+        sign_of_life(_job["store"], [None])  # before any other rank can wait on this one
+        _job.update(stop=threading.Event(), said=threading.Lock(), failed_here=False, ending=False)
         threading.Thread(target=watch_failures, args=(os.path.basename(sys.argv[0]), _job["store"], _job["stop"]),
                          name="watch_failures", daemon=True).start()
 
@@ -283,6 +366,9 @@ def restart_store():
 def cleanup_distributed():
     """Leave the process group, if any (the job's store stays, for exit_on_error to record an error in)."""
     _job["stop"].set()
+    if _job["store"] is not None:  # its silence from now on says nothing (utils/watchdog.py)
+        with suppress(Exception):
+            _job["store"].set(f"place/{RANK}", LEFT)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -298,6 +384,7 @@ def torch_distributed_zero_first(local_rank=LOCAL_RANK):
         dist.barrier()
 
 
+@collective
 def broadcast_object(obj, src=0):
     """Return rank src's obj on every rank (a no-op for one process)."""
     if not dist.is_initialized():
@@ -316,12 +403,13 @@ def on_rank0(fn, *args):
             result = fn(*args)
         except (UsageError, OSError) as e:
             error = error_line(e)
-    result, error = broadcast_object((result, error))
+    result, error = broadcast_object((result, error))  # the others wait: rank 0 is named if it stands still
     if error is not None:
         raise SharedError(error)
     return result
 
 
+@collective
 def gather_object(obj):
     """[obj of rank 0, obj of rank 1, ...] on every rank ([obj] for one process)."""
     if not dist.is_initialized():
@@ -331,6 +419,7 @@ def gather_object(obj):
     return objects
 
 
+@collective
 def all_gather_rows(tensor):
     """Every rank's rows of tensor (ranks may hold different numbers, none too), concatenated in rank order, on every
     rank; the tensor itself for one process."""
@@ -354,6 +443,7 @@ def shared_work(fn, count):
     return [parts[i % world][i // world] for i in range(count)]
 
 
+@collective
 def all_reduce_sum(tensor):
     """Sum a tensor over all ranks in place and return it (a no-op for one process)."""
     if dist.is_initialized():
@@ -361,6 +451,7 @@ def all_reduce_sum(tensor):
     return tensor
 
 
+@collective
 def broadcast_buffers(model, src=0):
     """Copy rank src's buffers (BatchNorm running statistics) to every rank, so all ranks hold one model."""
     if dist.is_initialized():
@@ -368,12 +459,14 @@ def broadcast_buffers(model, src=0):
             dist.broadcast(buffer, src=src)
 
 
+@collective
 def broadcast_scaler_state(scaler, src=0):
     """Copy rank src's GradScaler state (scale, growth tracker) to every rank, so all unscale and skip alike."""
     if dist.is_initialized() and scaler.is_enabled():
         scaler.load_state_dict(broadcast_object(scaler.state_dict(), src))
 
 
+@collective
 def broadcast_optimizer_state(optimizer, src=0):
     """Copy rank src's optimizer state (momentum, step counts) to every rank."""
     if not dist.is_initialized():
@@ -387,6 +480,7 @@ def broadcast_optimizer_state(optimizer, src=0):
                 value.copy_(moved)
 
 
+@collective
 def broadcast_module(module, src=0):
     """Copy rank src's parameters and buffers of module to every rank."""
     if dist.is_initialized():

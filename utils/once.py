@@ -1,10 +1,13 @@
 """Writing a file once: the project's one way to write a file whole and durably, clean what dead writers left, and
 let the other processes wait on the writer's own progress.
 
-A file (or a folder) is written under a temporary name in its own directory that names its writer,
-.NAME.tmp-HOST-PID[SUFFIX], then fsynced, renamed over its path (os.replace) and its directory fsynced, so a crash at
-any moment leaves the old file or the new one, whole, and the rename survives a power cut (atomic_write). Each write
-first removes the temporary files of the same path whose writer is gone (clean_leftovers).
+A file (or a folder) is written under a temporary name in its own directory, .NAME.tmp-HOST-PID-TOKEN[SUFFIX],
+then fsynced, renamed over its path (os.replace) and its directory fsynced, so a crash at any moment leaves the old
+file or the new one, whole, and the rename survives a power cut (atomic_write). The kernel, not the name, says who
+owns a temporary: its writer holds an exclusive lock (flock) on a lock file beside it, the temporary's name and
+.lock, from before it is made until it is renamed or removed, and the kernel frees the lock when the writer's
+process ends, however it ends, in whatever pid namespace. Each write first removes the temporary files of the same
+path whose lock is free (clean_leftovers); host and pid in the name are for people.
 
 One process writes while the others wait (once_per_machine, or a caller's own split of the work): the work reports
 its progress (bytes received, images encoded) on a counter in a key-value store (utils/distributed.job_store(), or
@@ -19,12 +22,15 @@ see the same directory writes, and the others wait on it (first_machine_sharing)
 """
 
 import contextlib
+import fcntl
 import itertools
 import os
+import re
 import secrets
 import shutil
 import signal
 import socket
+import string
 import sys
 import threading
 import time
@@ -42,9 +48,12 @@ STALL_SECONDS = float(os.getenv("CLS_STALL_SECONDS", 600))  # no progress for th
 LIVENESS_SECONDS = float(os.getenv("CLS_LIVENESS_SECONDS", 15))
 POLL_SECONDS = 0.1
 LIVENESS_POLL_SECONDS = 1.0  # how often a waiter reads its writers' signs of life
-# A temporary file of another machine's writer (a shared disk) is removed only when untouched for this long: its
-# writer's pid cannot be checked from here, and a live writer writes to it far more often.
+# A temporary file of another machine's writer (a shared disk) whose lock is free here is removed only when also
+# untouched for this long: some shared disks keep each machine's locks to itself, and a live writer writes far more
+# often. So is one whose lock cannot be tried (a file system without locks).
 OTHER_HOST_LEFTOVER_SECONDS = 24 * 3600
+LOCK = ".lock"  # a temporary's lock file is its name and this
+HELD = {}  # str(temporary) -> descriptor of its lock file, for the temporaries this process writes
 CALLS = itertools.count()  # once_per_machine calls of this process: every rank makes the same ones, in order
 
 
@@ -77,20 +86,37 @@ class Interrupted(SystemExit):
 # Writing a file whole, durably, and cleaning what dead writers left.
 
 def temporary(path, suffix=""):
-    """The temporary name this process writes path under: beside it, naming this host and pid (clean_leftovers
-    reads them), ending in suffix (a PNG's writer picks its format by the name's end)."""
+    """A new temporary name to write path under, beside it, its lock taken by this process (hold) until it is
+    committed or removed (commit, remove): the name says this host and pid for people, and a token that makes it
+    new (pids repeat in other pid namespaces and after a reboot; a lock file removed is never made again, which
+    clean_leftovers relies on); it ends in suffix (a PNG's writer picks its format by the name's end). Its folder
+    must exist."""
     path = Path(path)
-    return path.with_name(f".{path.name}.tmp-{HOST}-{os.getpid()}{suffix}")
+    token = "".join(secrets.choice(string.ascii_lowercase) for _ in range(8))  # letters: never taken for the pid
+    tmp = path.with_name(f".{path.name}.tmp-{HOST}-{os.getpid()}-{token}{suffix}")
+    HELD[str(tmp)] = hold(lock_of(tmp), doing=f"taking the lock of {tmp}")
+    return tmp
+
+
+def lock_of(tmp):
+    """The lock file of the temporary tmp."""
+    return tmp.with_name(tmp.name + LOCK)
+
+
+def release(tmp):
+    """Give up this process's lock on its temporary tmp, where it holds one, removing the lock's file."""
+    fd = HELD.pop(str(tmp), None)
+    if fd is not None:
+        unlock(lock_of(tmp), fd)
 
 
 def writer_of(leftover, path):
-    """(host, pid) of the writer that named leftover for path (temporary), or None when the name is not one."""
-    rest = leftover.name.removeprefix(f".{path.name}.tmp-")
-    if rest == leftover.name:
+    """(host, pid) of the writer that named leftover for path (temporary; older versions wrote no token), or None
+    when the name is not one of path's temporaries (its lock file is not)."""
+    if leftover.name.endswith(LOCK):
         return None
-    host, _, pid = rest.rpartition("-")
-    pid = pid.partition(".")[0]  # after the pid: a suffix
-    return (host, int(pid)) if host and pid.isdigit() else None
+    found = re.fullmatch(rf"\.{re.escape(path.name)}\.tmp-(.+)-(\d+)(-[a-z]{{8}})?(\..*)?", leftover.name, re.S)
+    return (found[1], int(found[2])) if found else None
 
 
 def alive(pid):
@@ -105,23 +131,44 @@ def alive(pid):
 
 
 def clean_leftovers(path):
-    """Remove the temporary files (or folders) of path whose writer is gone: on this host, its pid runs no more; on
-    another host (a shared disk), untouched for OTHER_HOST_LEFTOVER_SECONDS. Returns the paths removed."""
+    """Remove the temporary files (or folders) of path whose writer is gone, with their lock files: their lock is
+    free (or its file gone) on this host's; for another host's (a shared disk), or where the lock cannot be tried,
+    also untouched for OTHER_HOST_LEFTOVER_SECONDS. On NFS, flock is a POSIX lock (Linux 2.6.12 on) that every
+    client sees through NFSv4 or lockd; mounted with local_lock (and on some FUSE and SMB mounts) each machine sees
+    its own only, hence the age. Returns the paths removed."""
     path, removed = Path(path), []
-    for leftover in path.parent.glob(f".{glob_escape(path.name)}.tmp-*"):
+    found = path.parent.glob(f".{glob_escape(path.name)}.tmp-*")
+    for leftover in sorted({p.with_name(p.name.removesuffix(LOCK)) for p in found}):  # a lock file: its temporary's
         writer = writer_of(leftover, path)
-        if writer is None:
+        if writer is None or str(leftover) in HELD:  # this process's own: probing would drop a POSIX lock
             continue
-        host, pid = writer
-        try:
-            age = time.time() - leftover.stat().st_mtime
-            gone = not alive(pid) if host == HOST else age > OTHER_HOST_LEFTOVER_SECONDS
-        except FileNotFoundError:  # its writer finished meanwhile
-            continue
-        if gone:
+        with probed(lock_of(leftover)) as free:
+            if free is False or not (free and writer[0] == HOST or untouched(leftover)):
+                continue
+            if leftover.exists() or leftover.is_symlink():
+                removed.append(leftover)
             remove(leftover)
-            removed.append(leftover)
+            lock_of(leftover).unlink(missing_ok=True)  # while locked: its writer's name is never made again
     return removed
+
+
+def written(path):
+    """[(name, size, disk blocks, time changed)] of path's temporary files: it changes as their writers write."""
+    found = []
+    for tmp in Path(path).parent.glob(f".{glob_escape(Path(path).name)}.tmp-*"):
+        with contextlib.suppress(FileNotFoundError):  # renamed or removed as it was listed
+            info = tmp.stat()
+            found.append((tmp.name, info.st_size, info.st_blocks, info.st_mtime_ns))
+    return sorted(found)
+
+
+def untouched(leftover):
+    """Whether leftover and its lock file (those there) were last changed OTHER_HOST_LEFTOVER_SECONDS ago."""
+    for file in (leftover, lock_of(leftover)):
+        with contextlib.suppress(FileNotFoundError):
+            if time.time() - file.lstat().st_mtime <= OTHER_HOST_LEFTOVER_SECONDS:
+                return False
+    return True
 
 
 def glob_escape(name):
@@ -130,12 +177,13 @@ def glob_escape(name):
 
 
 def remove(path):
-    """Remove a file or folder if it is there."""
+    """Remove a file or folder if it is there; this process's lock on it, a temporary, is given up (release)."""
     path = Path(path)
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
+    release(path)
 
 
 def fsync_path(path, flags=os.O_RDONLY):
@@ -155,6 +203,7 @@ def commit(tmp, path):
     if not tmp.is_dir():
         fsync_path(tmp)
     os.replace(tmp, path)
+    release(tmp)
     fsync_path(path.parent)
 
 
@@ -167,7 +216,6 @@ def atomic_write(path, suffix="", first_wins=False):
     path = Path(path)
     clean_leftovers(path)
     tmp = temporary(path, suffix)
-    remove(tmp)  # this process's own, from an earlier write that did not end
     try:
         yield tmp
         try:
@@ -177,6 +225,99 @@ def atomic_write(path, suffix="", first_wins=False):
                 raise
     finally:
         remove(tmp)
+
+
+# Locks the kernel holds: what says a writer lives, whatever its name, pid namespace or machine.
+
+def hold(lock, moved=lambda: None, doing="waiting for a lock"):
+    """The descriptor of the file lock, made where missing and locked by this process (flock, exclusive), its host
+    and pid written in it for the others' lines. While another process holds it, this one waits as long as moved()
+    (a sign of the holder's work) changes, and stops after STALL_SECONDS without (Stalled, naming doing and the
+    holder). Where the file system has no locks, the file is made, unlocked (clean_leftovers then goes by age)."""
+    last, since = moved(), time.monotonic()
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            if (now := moved()) != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since > STALL_SECONDS:
+                raise Stalled(f"rank {RANK} on {HOST}: stopped {doing}: {holder(lock)}, which holds its lock "
+                              f"{lock.name}, made no progress for {STALL_SECONDS:g} s") from None
+            time.sleep(POLL_SECONDS)
+            continue
+        except OSError:  # no locks here (ENOLCK, EOPNOTSUPP)
+            pass
+        try:
+            if same_file(fd, lock):  # else its holder or a cleaner removed it as this one opened it: made again
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{HOST} {os.getpid()}\n".encode())
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def same_file(fd, path):
+    """Whether path is the file open as fd."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def unlock(lock, fd):
+    """Remove the lock file lock and give up the lock held on it as fd (hold): removed while held, so that the file
+    at its name is always its holder's (a waiter that then takes the removed one's lock makes it anew: hold)."""
+    Path(lock).unlink(missing_ok=True)
+    os.close(fd)
+
+
+@contextlib.contextmanager
+def locked(lock, moved=lambda: None, doing="waiting for a lock"):
+    """While inside, hold the lock file lock (hold: waiting on moved(), named as doing), removed on leaving."""
+    fd = hold(lock, moved, doing)
+    try:
+        yield
+    finally:
+        unlock(lock, fd)
+
+
+@contextlib.contextmanager
+def probed(lock):
+    """Whether the lock file lock is free, taken while inside where it is: True (free, or no file: its holder
+    removed it), False (another process holds it) or None (it cannot be tried: no locks on this file system, or
+    not this user's file)."""
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except FileNotFoundError:
+        yield True
+        return
+    except OSError:
+        yield None
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            free = same_file(fd, lock) or not lock.exists()  # made again since it was opened: its maker holds it
+        except BlockingIOError:
+            free = False
+        except OSError:
+            free = None
+        yield free
+    finally:
+        os.close(fd)
+
+
+def holder(lock):
+    """'pid N on HOST', of the process that last took the lock file lock (hold), or 'another process'."""
+    with contextlib.suppress(OSError, ValueError):
+        host, pid = Path(lock).read_text().split()
+        return f"pid {int(pid)} on {host}"
+    return "another process"
 
 
 # Waiting for work another process does, on its progress rather than a clock.
@@ -250,13 +391,13 @@ def wait_for(store, key, doing, until=None, total=None, desc=None):
                 elif (gone := gone_writer(others, silence)) and not finished(store, key, doing):
                     writer, why = gone
                     raise Stalled(f"rank {RANK} on {HOST}: stopped {doing}: {named(writer)} {why}",
-                                  (why, *writer[:2]))
+                                  (f"{why}, while rank {RANK} on {HOST} was {doing}", *writer[:2]))
                 elif time.monotonic() - since > STALL_SECONDS:
                     who = " and ".join(map(named, others)) or "the work"
                     raise Stalled(f"rank {RANK} on {HOST}: stopped {doing}: {who} made no progress for "
                                   f"{STALL_SECONDS:g} s (at {now})",
-                                  (f"made no progress for {STALL_SECONDS:g} s (at {now})", *others[0][:2])
-                                  if others else None)
+                                  (f"made no progress for {STALL_SECONDS:g} s (at {now}), while rank {RANK} on "
+                                   f"{HOST} was {doing}", *others[0][:2]) if others else None)
                 time.sleep(POLL_SECONDS)
         except dist.DistError as e:  # the store's process, or its machine, is gone
             raise Stalled(f"rank {RANK} on {HOST}: stopped {doing}: the job's store does not answer "
@@ -346,27 +487,26 @@ def once_per_machine(name, doing, work):
 
 def first_machine_sharing(path, store, key, machine, machines, doing):
     """The lowest-numbered of the machines (this one is machine) that sees path's directory as this one does (a
-    shared disk), so that one machine writes path for all of them: each machine makes a marker beside path named by a
-    token of its own (and, as a temporary file of path, its writer: clean_leftovers removes a dead one's), posts the
-    name on key in store, and looks for the others' once all are made (wait_for key, doing). This machine's own
+    shared disk), so that one machine writes path for all of them: each machine makes a marker beside path (a
+    temporary file of path, of a name of its own, locked by its writer: clean_leftovers removes a dead one's), posts
+    the name on key in store, and looks for the others' once all are made (wait_for key, doing). This machine's own
     number where the directory is its alone or cannot be written. The markers are removed once every machine looked."""
-    path = Path(path)
-    marker, marked = temporary(path, f".{secrets.token_hex(8)}.machine"), False
+    path, marker = Path(path), None
     with contextlib.suppress(OSError):  # unwritable: its writer says so, and here it shares with no one
         path.parent.mkdir(parents=True, exist_ok=True)
+        marker = temporary(path, ".machine")
         marker.touch()
-        marked = True
     try:
-        store.set(f"{key}/marker/{machine}", marker.name)
+        store.set(f"{key}/marker/{machine}", marker.name if marker else "")
         store.add(f"{key}/marked", 1)
         wait_for(store, key, doing, until=lambda: store.add(f"{key}/marked", 0) == machines)
         first = next(m for m in range(machines) if m == machine or
-                     (path.parent / store.get(f"{key}/marker/{m}").decode()).exists())
+                     (name := store.get(f"{key}/marker/{m}").decode()) and (path.parent / name).exists())
         store.add(f"{key}/looked", 1)
         wait_for(store, key, doing, until=lambda: store.add(f"{key}/looked", 0) == machines)
         return first
     finally:
-        if marked:
+        if marker:
             remove(marker)
 
 

@@ -8,6 +8,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from utils.distributed import ending
+from utils.watchdog import waiting
 from utils.general import LOCAL_RANK, LOGGER, SharedError, end_on_interrupt
 from utils.metrics import BEST_METRIC_NAMES
 from utils.torch_utils import de_parallel
@@ -22,9 +24,10 @@ class StopVote:
 
     Use as a context manager around training: it catches SIGTERM and SIGINT, which then only ask for a stop. A
     second Ctrl-C more than a second after the first (torchrun passes the first one on as well) quits at once.
-    Entered before the process group is joined, it also holds a SIGTERM met during start-up for the first vote;
-    `device` (where the votes are combined) must then be set before it. A Ctrl-C before `started` (set as the run
-    directory is made) ends the process at once, with nothing to save (end_on_interrupt).
+    `device` (where the votes are combined) must be set before the first vote. A stop signal before `started` (set
+    as the run directory is made: start-up, a download, a cache being written) ends the process at once, with
+    nothing to save (end_on_interrupt): a scheduler's SIGTERM must not wait for a first step that may be minutes
+    away.
     """
 
     def __init__(self, device=None):
@@ -41,7 +44,9 @@ class StopVote:
 
     def on_signal(self, signum, frame):
         """Note the first stop signal; the training loop acts on it at the next step boundary."""
-        if signum == signal.SIGINT and not self.started:
+        if ending():  # torchrun stops this rank for another's failure, which the watch thread says
+            return
+        if not self.started:
             end_on_interrupt(signum)
         if self.signal is None:
             self.signal, self.signal_time = signum, time.monotonic()
@@ -78,7 +83,8 @@ class StopVote:
         step, flags, work, event = self.pending
         self.pending = None
         if work is not None:
-            work.wait()
+            with waiting():  # for every rank's vote: a rank that has not cast it is named if it stands still
+                work.wait()
         if event is not None:
             event.synchronize()
         bad, stop = flags.tolist()

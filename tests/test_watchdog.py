@@ -1,0 +1,130 @@
+"""Naming a rank that hangs (utils/watchdog.py): which rank the watch threads name, from the places and signs of life
+the ranks publish, and what never trips it. The launches under torchrun are in test_hangs.py."""
+
+import json
+import time
+
+import pytest
+import torch.distributed as dist
+
+import utils.watchdog as watchdog
+from utils.watchdog import LEFT, Placed, PulsingFile, Watchdog, further, now_at, placed, published, waiting
+
+
+@pytest.fixture(autouse=True)
+def quick(monkeypatch):
+    """A limit of 0.3 s, read at every call, and a fresh place for this process."""
+    monkeypatch.setattr(watchdog, "CHECK_SECONDS", 0.0)
+    monkeypatch.setattr(watchdog, "_here", {"place": None, "doing": "starting", "waiting": 0, "moves": 0,
+                                            "limit": 0.3})
+
+
+def publish(store, rank, place=None, doing="", waiting=0, moves=0, alive=True):
+    """Rank's place and a sign of life in the store, as its watch thread publishes them."""
+    value = LEFT if place == LEFT else json.dumps(
+        {"place": None if place is None else [*place, waiting], "doing": doing, "moves": moves})
+    store.set(f"place/{rank}", value)
+    if alive:
+        store.add(f"alive/{rank}", 1)
+
+
+def watch(store, seconds, publishing=()):
+    """What rank 0's watchdog names over `seconds`, ranks in publishing showing signs of life all along."""
+    dog, end = Watchdog(store, world_size=3, rank=0), time.monotonic() + seconds
+    while time.monotonic() < end:
+        for rank in publishing:
+            store.add(f"alive/{rank}", 1)
+        if found := dog.hung():
+            return found
+        time.sleep(0.05)
+    return None
+
+
+def test_a_rank_that_stands_still_behind_the_others_is_named_with_what_it_did():
+    store = dist.HashStore()
+    now_at((0, 0, 5, 1), "epoch 1, step 6/9 (in the step)")  # rank 0: waits in step 6 for rank 2
+    publish(store, 1, (0, 0, 5, 1), "epoch 1, step 6/9 (in the step)")
+    publish(store, 2, (0, 0, 5, 0), "epoch 1, step 6/9 (loading its batch)")  # stuck loading, alive
+    rank, why, place, frozen = watch(store, 3, publishing=(1, 2))
+    assert (rank, frozen) == (2, False) and place["doing"] == "epoch 1, step 6/9 (loading its batch)"
+    assert why == "made no progress for 0.3 s while the other ranks waited for it"
+
+
+def test_a_rank_that_gives_no_sign_of_life_is_named_as_frozen_wherever_it_is():
+    store = dist.HashStore()
+    now_at((0, 0, 5, 1), "epoch 1, step 6/9 (in the step)")
+    publish(store, 1, (0, 0, 5, 1), "epoch 1, step 6/9 (in the step)")
+    publish(store, 2, (0, 0, 5, 1), "epoch 1, step 6/9 (in the step)")  # the same place as the others: SIGSTOPped
+    rank, why, _, frozen = watch(store, 3, publishing=(1,))
+    assert (rank, frozen) == (2, True)
+    assert why == "gave no sign of life for 0.3 s (stopped, frozen, or its machine is gone)"
+
+
+def test_ranks_in_the_same_place_are_never_named_however_long_a_step_takes():
+    store = dist.HashStore()
+    now_at((0, 0, 5, 1), "epoch 1, step 6/9 (in the step)")  # a slow step: everyone in it, alive
+    for rank in (1, 2):
+        publish(store, rank, (0, 0, 5, 1), "epoch 1, step 6/9 (in the step)")
+    assert watch(store, 1.0, publishing=(1, 2)) is None
+
+
+def test_a_rank_that_works_alone_while_the_others_wait_is_named_only_when_it_stops_pulsing():
+    store = dist.HashStore()
+    now_at((0, 3, 1), "the end of epoch 1: saving weights/last.pt")
+    with waiting():  # rank 0 waits for rank 1, which saves alone (on_rank0)
+        publish(store, 1, (0, 3, 1), "the end of epoch 1: saving weights/last.pt", moves=1)
+        publish(store, 2, (0, 3, 1), "the end of epoch 1: saving weights/last.pt", waiting=1)
+        dog, end = Watchdog(store, world_size=3, rank=0), time.monotonic() + 1.0
+        moves = 1
+        while time.monotonic() < end:  # pulsing: a slow disk
+            moves += 1
+            publish(store, 1, (0, 3, 1), "the end of epoch 1: saving weights/last.pt", moves=moves)
+            store.add("alive/2", 1)
+            assert dog.hung() is None
+            time.sleep(0.05)
+        rank, why, _, frozen = watch(store, 3, publishing=(1, 2))  # then no more pulses: a dead mount
+    assert (rank, frozen) == (1, False)
+
+
+def test_a_rank_that_left_is_not_named_for_its_silence_nor_one_before_training_for_its_place():
+    store = dist.HashStore()
+    now_at((2, 3, 1), "the end of epoch 3: saving weights/last.pt")
+    publish(store, 1, LEFT)  # done: its watch thread stopped
+    publish(store, 2)  # still starting (no place yet), alive
+    assert watch(store, 1.0, publishing=(2,)) is None
+
+
+def test_no_limit_names_no_rank():
+    store = dist.HashStore()
+    watchdog.set_limit(0)
+    publish(store, 1, (0, 0, 5, 0))
+    publish(store, 2, (0, 0, 5, 1))
+    assert watch(store, 1.0) is None
+
+
+def test_the_places_grow_through_steps_validation_and_saves_and_waiting_counts_past_working():
+    seen = []
+    for _ in placed(range(2), (0, 0), "epoch 1, step {}/3", "in the step", first=1):
+        seen.append(json.loads(published()[0]))
+    loader = Placed([10, 11], (0, 2), "epoch 1, val batch {}/2", "validating")
+    for _ in range(2):  # the weights, then their EMA
+        for _ in loader:
+            seen.append(json.loads(published()[0]))
+    now_at((0, 3), "the end of epoch 1")
+    further("saving weights/last.pt")
+    seen.append(json.loads(published()[0]))
+    with waiting():
+        seen.append(json.loads(published()[0]))
+    places = [s["place"] for s in seen]
+    assert places == sorted(places) and len(set(map(tuple, places))) == len(places)
+    assert [s["doing"] for s in seen[:2]] == ["epoch 1, step 2/3 (in the step)", "epoch 1, step 3/3 (in the step)"]
+    assert seen[2]["doing"] == "epoch 1, val batch 1/2 (validating)" and len(loader) == 2
+    assert seen[-1]["doing"] == "the end of epoch 1: saving weights/last.pt"
+
+
+def test_a_checkpoint_written_in_one_call_pulses_every_part(tmp_path, monkeypatch):
+    monkeypatch.setattr(PulsingFile, "PART", 1000)
+    with open(tmp_path / "f", "wb") as f:
+        before = watchdog._here["moves"]
+        assert PulsingFile(f).write(bytes(4500)) == 4500
+    assert watchdog._here["moves"] - before == 5 and (tmp_path / "f").stat().st_size == 4500

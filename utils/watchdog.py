@@ -1,0 +1,215 @@
+"""Naming a rank that hangs, within train.hang_seconds rather than the collectives' 10-minute timeout.
+
+Each rank's main thread says where it is in the run (now_at: a place that only grows as training goes on, and what
+it does there; pulse: it moved within that place, as a checkpoint's bytes are written), which costs it a dict update.
+Its watch thread (utils/distributed.watch_failures) publishes that in the job's store beside its sign of life, and
+reads every other rank's (Watchdog.hung). A rank hangs when, for the limit, it gave no sign of life (stopped by
+SIGSTOP, frozen, its machine gone), or its place stood still while another rank is past it: waiting for it at the
+next collective (a rank stuck in I/O, a driver or a deadlock). A step that is merely slow never trips it, nor does a
+long validation or save: every rank is then in the same place, or the slow one pulses.
+
+torch's own tools were weighed first: torch.distributed.elastic.timer (the agent SIGKILLs a worker whose `expires`
+block overruns) needs every launch to set TORCHELASTIC_ENABLE_FILE_TIMER, and its deadline also runs out on the ranks
+that wait for the hung one, at the same moment, so either may be killed first and blamed; gloo's and nccl's
+timeouts end a waiter, never the hung rank.
+"""
+
+import functools
+import json
+import os
+import time
+from contextlib import contextmanager
+
+from utils.general import RANK, WORLD_SIZE
+
+HANG_SECONDS = float(os.getenv("CLS_HANG_SECONDS", 60))  # until train.hang_seconds is read (start-up); tests lower it
+CHECK_SECONDS = 1.0  # how often a watch thread reads the other ranks' places and signs of life
+LEFT = "left"  # a rank's place once it has left the process group: its silence then says nothing
+# This rank's place in the run, as its main thread last said it: a tuple of ints that only grows, what it does there,
+# and a count of its moves (new places and pulses), which the watch thread publishes when it changed.
+_here = {"place": None, "doing": "starting", "waiting": 0, "moves": 0, "limit": HANG_SECONDS}
+
+
+def set_limit(seconds):
+    """How long a rank may give no sign of life, or stand still behind the others, before it is named (0: never)."""
+    _here["limit"] = float(seconds)
+
+
+def limit():
+    return _here["limit"]
+
+
+def now_at(place, doing):
+    """This rank's main thread is at place (a tuple of ints, later places larger: (epoch, stage, step, ...)) doing
+    `doing`, as the line that names a hung rank says it."""
+    _here.update(place=tuple(place), doing=doing, moves=_here["moves"] + 1)
+
+
+def further(doing):
+    """A place just after this rank's current one (inside it, before the next), e.g. saving at the end of a step."""
+    if _here["place"] is not None:
+        now_at((*_here["place"], 1), f"{_here['doing']}: {doing}")
+
+
+def pulse():
+    """This rank moved within its place (a checkpoint's bytes written): it does not hang, however long that takes."""
+    _here["moves"] += 1
+
+
+@contextmanager
+def waiting():
+    """While inside, this rank waits for the others (a collective): its place counts as past the same place of a rank
+    that has not reached it."""
+    _here["waiting"], _here["moves"] = _here["waiting"] + 1, _here["moves"] + 1
+    try:
+        yield
+    finally:
+        _here["waiting"], _here["moves"] = _here["waiting"] - 1, _here["moves"] + 1
+
+
+def collective(fn):
+    """fn, a call that waits for every rank, as waiting() while it runs."""
+    @functools.wraps(fn)
+    def waiting_for_every_rank(*args, **kwargs):
+        with waiting():
+            return fn(*args, **kwargs)
+    return waiting_for_every_rank
+
+
+def placed(items, place, label, using, first=0):
+    """Iterate items (a DataLoader's batches), marking this rank at place + (i, 0) while item i loads and at
+    place + (i, 1) while it is used, i counted from first; label.format(i + 1) names item i ('epoch 2, step 7/40'),
+    `using` what is done with it ('in the step')."""
+    items, i = iter(items), first
+    while True:
+        now_at((*place, i, 0), f"{label.format(i + 1)} (loading its batch)")
+        try:
+            item = next(items)
+        except StopIteration:
+            return
+        now_at((*place, i, 1), f"{label.format(i + 1)} ({using})")
+        yield item
+        i += 1
+
+
+class Placed:
+    """A DataLoader whose every pass marks this rank's place, pass p's batches at place + (p, i, ...) (placed); its
+    other attributes are the loader's."""
+
+    def __init__(self, loader, place, label, using):
+        self.loader, self.place, self.label, self.using, self.passes = loader, tuple(place), label, using, 0
+
+    def __iter__(self):
+        self.passes += 1
+        return placed(self.loader, (*self.place, self.passes), self.label, self.using)
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
+
+
+class PulsingFile:
+    """A file object that pulses as it is written, in parts of at most PART bytes: a slow disk's long write is not a
+    hang."""
+
+    PART = 16 << 20
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data):
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), self.PART):
+            self.f.write(view[start:start + self.PART])
+            pulse()
+        return len(view)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def published():
+    """This rank's place as its watch thread publishes it, and its count of moves (publish when that changed)."""
+    here = _here
+    place = None if here["place"] is None else [*here["place"], min(here["waiting"], 1)]
+    return json.dumps({"place": place, "doing": here["doing"], "moves": here["moves"]}), here["moves"]
+
+
+def proc_start(pid):
+    """When process pid started (clock ticks since boot), or None: with the pid, it names one process for good."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rpartition(")")[2].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def pid_namespace():
+    """This process's pid namespace (containers on one machine have their own), or '' where /proc does not say."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def identity(host):
+    """What another rank needs to end this one when it is frozen on the same machine: its host, pid namespace, pid
+    and start time, and the error file torchrun reads for it."""
+    return json.dumps({"host": host, "pidns": pid_namespace(), "pid": os.getpid(), "start": proc_start(os.getpid()),
+                       "error_file": os.getenv("TORCHELASTIC_ERROR_FILE", "")})
+
+
+class Watchdog:
+    """What this rank's watch thread knows of the other ranks: when each one's sign of life and place last changed,
+    by this process's own clock (machines' clocks may differ)."""
+
+    def __init__(self, store, world_size=WORLD_SIZE, rank=RANK):
+        self.store, self.others = store, [r for r in range(world_size) if r != rank]
+        self.keys = [f"alive/{r}" for r in self.others] + [f"place/{r}" for r in self.others]
+        self.seen, self.read_at = {}, 0.0
+
+    def hung(self):
+        """(rank, why, place, frozen) of a rank that hangs, read at most every CHECK_SECONDS (frozen: it gave no sign of
+        life); None while none does."""
+        now, seconds = time.monotonic(), limit()
+        if not seconds or not self.others or now - self.read_at < CHECK_SECONDS:
+            return None
+        self.read_at = now
+        if not self.store.check(self.keys):  # a rank that has not published yet is still joining
+            return None
+        for key, value in zip(self.keys, self.store.multi_get(self.keys)):
+            if self.seen.get(key, (None,))[0] != value:
+                self.seen[key] = value, now
+        places = {r: self.place(r) for r in self.others}
+        mine = published_place()
+        for r in self.others:
+            place = places[r]
+            if place == LEFT:
+                continue
+            if now - self.seen[f"alive/{r}"][1] > seconds:
+                why = f"gave no sign of life for {seconds:g} s (stopped, frozen, or its machine is gone)"
+                return r, why, place, True
+            ahead = [p for p in [mine, *(places[o] for o in self.others if o != r)]
+                     if isinstance(p, dict) and p["place"] is not None]
+            if (isinstance(place, dict) and place["place"] is not None and now - self.seen[f"place/{r}"][1] > seconds
+                    and any(p["place"] > place["place"] for p in ahead)):
+                return r, f"made no progress for {seconds:g} s while the other ranks waited for it", place, False
+        return None
+
+    def place(self, rank):
+        """rank's published place ({'place', 'doing', 'moves'}), or LEFT."""
+        raw = self.seen[f"place/{rank}"][0].decode()
+        return LEFT if raw == LEFT else json.loads(raw)
+
+
+def published_place():
+    return json.loads(published()[0])
+
+
+def hung_line(why, place):
+    """The line that names what a hung rank did last (its rank and machine are added by the caller)."""
+    doing = place["doing"] if isinstance(place, dict) else "starting"
+    return (f"{why}, last seen at {doing}; the job ends here (train.hang_seconds sets the limit; "
+            f"docs/troubleshooting.md says what to look at)")
