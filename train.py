@@ -212,7 +212,7 @@ def train(cfg, vote, dtype, run_dir=None, resume=None):
             LOGGER.info(stopped_message(run_dir, epoch, state.step, steps))
             return None
         train_time = time.time() - epoch_start
-        metrics = validate(loop, state, epoch)
+        metrics = validate(loop, state)
         metrics.update({"epoch": epoch + 1, "train/loss": state.epoch_loss[0] / state.epoch_loss[1],
                         "lr/pg0": state.optimizer.param_groups[0]["lr"], "time/epoch": time.time() - epoch_start,
                         "time/img_s": images_seen / train_time})
@@ -357,9 +357,10 @@ def at_shared_step(loop, state, epoch, verdict, running, epoch_end=False):
     return stop
 
 
-def validate(loop, state, epoch):
+def validate(loop, state):
     """The val metrics of the weights and their EMA (with train.tta, of each image and its flip); multi-label's with
-    each one's per-class thresholds."""
+    each one's per-class thresholds. state.epoch: the epoch validated."""
+    epoch = state.epoch
     val_loader = Placed(loop.val_loader, (epoch, 2), f"epoch {epoch + 1}, val batch {{}}/{len(loop.val_loader)}",
                         "validating")
     args = (val_loader, loop.normalize, len(loop.classes), loop.vote.device, loop.dtype)

@@ -11,7 +11,8 @@ median and spread (min-max), and the ratio of each loop's fastest epoch (the one
 
 Then, to see what a loop adds per step where the compute no longer hides it, the three run over one epoch's
 batches held in memory with a tiny model on one thread, timed in CPU time, which another process's load on the
-shared core moves less than wall time.
+shared core moves less than wall time. Last, the CPU time that the watchdog's marks of a rank's place add to a step
+(utils/watchdog.placed, two a step), timed alone: far below what the probe resolves.
 
     python benchmarks/overhead.py [--rounds 10] [--probe-rounds 20] [--threads N] [key=value ...]
     python benchmarks/overhead.py train.precision=bf16 data.img_size=32 model.width=64
@@ -42,6 +43,7 @@ from utils.precision import autocast_dtype, grad_scaler  # noqa: E402
 from utils.seeds import init_seeds  # noqa: E402
 from utils.stopping import StopVote  # noqa: E402
 from utils.torch_utils import memory_format, set_threads  # noqa: E402
+from utils.watchdog import placed  # noqa: E402
 
 BARE, OURS, PLAIN = "bare loop", "train.py", "train.py, recipe as OmegaConf node"
 NAMES = (BARE, OURS, PLAIN)
@@ -182,6 +184,19 @@ def probe(args, dtype):
     return extra, statistics.median(times[BARE]) / steps
 
 
+def marks_cost(steps=200_000):
+    """CPU seconds a step that the watchdog's place marks add (utils/watchdog.placed, two a step, as train.py's
+    epoch loop makes them), over iterating the same steps bare; the marks' share of the loop's cost above."""
+    times = []
+    for marked in (False, True, False, True):  # alternated; the second of each kept (the first warms up)
+        items = range(steps)
+        start = time.thread_time()
+        for _ in placed(items, (0, 0), "epoch 1, step {}/" + str(steps), "in the step") if marked else items:
+            pass
+        times.append(time.thread_time() - start)
+    return (times[3] - times[2]) / steps
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="cls.yaml")
@@ -214,6 +229,9 @@ def main():
             median = statistics.median(values)
             print(f"  {name:30s} {1e6 * median:+6.0f} us/step (spread {1e6 * min(values):+.0f} to "
                   f"{1e6 * max(values):+.0f}) = {median / bare_step:.2%} of the recipe's bare step")
+    marks = marks_cost()
+    print(f"the watchdog's place marks (two a step, utils/watchdog.placed): {1e6 * marks:+.1f} us/step = "
+          f"{marks / bare_step:.3%} of the recipe's bare step")
     print(f"load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores")
 
 

@@ -122,11 +122,11 @@ def test_a_rank_that_hangs_on_another_machine_is_named_there_and_ends_with_its_a
     data = make_image_folder(tmp_path / "data", {"train": {"a": 6, "b": 6}, "val": {"a": 2, "b": 2}})
     # One process a node; node 1's rank 1 hangs, alive, at its 2nd vote (epoch 1, step 2): rank 0 names it, and it
     # ends on that (its agent with it) rather than waiting in its sleep until killed.
-    nodes = two_nodes(tmp_path, [*RECIPE, f"data.name={data}", "train.epochs=2", "train.hang_seconds=3"], [],
+    nodes = two_nodes(tmp_path, [*RECIPE, f"data.name={data}", "train.epochs=2", "train.hang_seconds=5"], [],
                       "hang-rank-at-step:2:1", nproc=1, timeout=120)
     (code0, out0), (code1, out1) = nodes
     assert code0 != 0 and code1 != 0, out0[-3000:] + out1[-3000:]
-    said = (f"train.py: error: rank 1 on {HOST}: made no progress for 3 s while the other ranks waited for it, last "
+    said = (f"train.py: error: rank 1 on {HOST}: made no progress for 5 s while the other ranks waited for it, last "
             f"seen at epoch 1, step 2/3 (in the step); the job ends here")
     assert [line.split("; the job")[0] for line in error_lines(out0)] == [said.split("; the job")[0]], out0[-3000:]
     assert [line.split("; the job")[0] for line in error_lines(out1)] == [said.split("; the job")[0]], out1[-3000:]

@@ -30,11 +30,11 @@ def data(tmp_path_factory):
                                                                       "val": {"a": 3, "b": 4}})
 
 
-def launch(nproc, *args, max_restarts=0):
+def launch(nproc, *args, max_restarts=0, timeout=600):
     """train.py (or tests/faults.py FAULT train.py) as one process, or under torchrun with nproc processes."""
     if nproc == 1:
-        return run_python(*args)
-    return run_torchrun(f"--max-restarts={max_restarts}", *args, nproc=nproc)
+        return run_python(*args, timeout=timeout)
+    return run_torchrun(f"--max-restarts={max_restarts}", *args, nproc=nproc, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -155,10 +155,10 @@ def root_cause(stderr):
 
 def test_a_rank_frozen_mid_training_is_named_in_seconds_and_the_run_resumes_exactly(data, reference, tmp_path):
     # Rank 1 SIGSTOPs itself at its 4th vote (epoch 1's end). Without the watchdog, rank 0 waits in gloo for 600 s
-    # and is torchrun's root cause; the timeout below is far shorter.
+    # and is torchrun's root cause; the launch's timeout is far shorter.
     result = launch(2, "tests/faults.py", "stop-rank-at-step:4:1", "train.py", *RECIPE, f"data.name={data}",
-                    f"project={tmp_path}", "train.hang_seconds=3")
-    line = (f"train.py: error: rank 1 on {socket.gethostname()}: gave no sign of life for 3 s (stopped, frozen, or its "
+                    f"project={tmp_path}", "train.hang_seconds=5", timeout=180)
+    line = (f"train.py: error: rank 1 on {socket.gethostname()}: gave no sign of life for 5 s (stopped, frozen, or its "
             f"machine is gone), last seen at ")
     assert result.returncode != 0 and len(console_lines(result.stderr, line)) == 1, result.stderr[-3000:]
     cause = root_cause(result.stderr)
@@ -174,8 +174,8 @@ def test_a_rank_whose_main_thread_hangs_is_named_and_ends_itself(data, tmp_path)
     # Rank 1's main thread sleeps at its 2nd vote (epoch 1, step 2) while its watch thread lives: rank 0 finds it
     # standing still behind it, and rank 1 ends on being named, as torchrun's root cause.
     result = launch(2, "tests/faults.py", "hang-rank-at-step:2:1", "train.py", *RECIPE, f"data.name={data}",
-                    f"project={tmp_path}", "train.hang_seconds=3", "train.save_every_steps=0")
-    line = (f"train.py: error: rank 1 on {socket.gethostname()}: made no progress for 3 s while the other ranks waited "
+                    f"project={tmp_path}", "train.hang_seconds=5", "train.save_every_steps=0", timeout=180)
+    line = (f"train.py: error: rank 1 on {socket.gethostname()}: made no progress for 5 s while the other ranks waited "
             f"for it, last seen at epoch 1, step 2/3 (in the step); the job ends here")
     assert result.returncode != 0 and len(console_lines(result.stderr, line)) == 1, result.stderr[-3000:]
     cause = root_cause(result.stderr)
@@ -191,9 +191,9 @@ def test_ranks_frozen_at_random_moments_under_torchrun_restarts_end_bit_identica
     steps, ranks = zip(*[(rng.randint(2, 6), rng.randint(0, 1)) for _ in range(3)])
     fault = f"stop-rank-at-step:{'/'.join(map(str, steps))}:{'/'.join(map(str, ranks))}"
     result = launch(2, "tests/faults.py", fault, "train.py", *RECIPE, f"data.name={data}", f"project={tmp_path}",
-                    "train.hang_seconds=3", max_restarts=3)
+                    "train.hang_seconds=5", max_restarts=3, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stderr.count("gave no sign of life for 3 s") == 3, (fault, result.stderr[-3000:])
+    assert result.stderr.count("gave no sign of life for 5 s") == 3, (fault, result.stderr[-3000:])
     assert "torchrun restart 3: continuing" in result.stdout, result.stdout[-3000:]
     assert [p.name for p in tmp_path.iterdir()] == ["exp"]
     assert_same_run(tmp_path / "exp", reference[2])
