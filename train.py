@@ -281,7 +281,7 @@ def train_one_epoch(loop, state, epoch, show_batch=False):
     layout, crop = memory_format(cfg.train.channels_last), crop_spec(cfg.data)
     # The caches' batches are cropped on the device, the next one while this step runs
     with join_uneven_inputs(state.model, fewest < most), closing(device_batches(bar, device, crop)) as batches:
-        steps = placed(batches, (epoch, 0), f"epoch {epoch + 1}, step {{}}/{most}", "in the step", state.step)
+        steps = placed(batches, (epoch, 0), f"epoch {epoch + 1}, step {{}}/{most}", "in the step", state.step, most)
         for step, (images, targets) in enumerate(steps, state.step):
             if show_batch and loop.logger:
                 loop.logger.log_batch(images[:32], targets[:32])

@@ -126,9 +126,12 @@ def test_a_rank_that_hangs_on_another_machine_is_named_there_and_ends_with_its_a
                       "hang-rank-at-step:2:1", nproc=1, timeout=120)
     (code0, out0), (code1, out1) = nodes
     assert code0 != 0 and code1 != 0, out0[-3000:] + out1[-3000:]
-    said = (f"train.py: error: rank 1 on {HOST}: made no progress for 5 s while the other ranks waited for it, last "
-            f"seen at epoch 1, step 2/3 (in the step); the job ends here")
+    said = (f"train.py: error: rank 1 on {HOST}: made no progress for 5 s while the other ranks waited for it, stuck "
+            f"at epoch 1, step 2/3 (in the step); the job ends here")
     assert [line.split("; the job")[0] for line in error_lines(out0)] == [said.split("; the job")[0]], out0[-3000:]
     assert [line.split("; the job")[0] for line in error_lines(out1)] == [said.split("; the job")[0]], out1[-3000:]
     assert f"traceback : {said}" in out1.split("Root Cause")[-1], out1[-3000:]
     assert "]: Traceback" not in out0 + out1  # no rank's traceback of a collective broken by the rank that ended
+    # Before its line, where it stood: its main thread's stack, down to the fault's sleep
+    stack = out1.split(f"rank 1 on {HOST}, named as hung, stands here:\n")[1].split("train.py: error:")[0]
+    assert "in hang\n    time.sleep(10**6)" in stack, out1[-3000:]

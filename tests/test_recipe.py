@@ -129,6 +129,8 @@ def test_bad_values_name_the_key():
     cases = {"optim.name=sgdd": "optim.name", "train.precision=fp8": "train.precision", "device=tpu": "device",
              "model.name=resnet19": "closest: 'resnet18'", "data.scale=[0.5]": "data.scale",
              "train.epochs=0": "train.epochs", "data.hflip=1.5": "data.hflip", "seed=-1": "seed must be",
+             "train.hang_seconds=1": "train.hang_seconds must be 0",
+             "train.hang_seconds=inf": "train.hang_seconds must be 0", "train.hang_seconds=nan": "train.hang_seconds",
              "name=' '": "name must be", "data.shard_hosts=[http://example.com]": "data.shard_hosts must be a "
              "list of hosts, each host or host:port"}
     for override, message in cases.items():

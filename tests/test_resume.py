@@ -153,18 +153,24 @@ def root_cause(stderr):
     return stderr.split("Root Cause (first observed failure):")[-1]
 
 
-def test_a_rank_frozen_mid_training_is_named_in_seconds_and_the_run_resumes_exactly(data, reference, tmp_path):
-    # Rank 1 SIGSTOPs itself at its 4th vote (epoch 1's end). Without the watchdog, rank 0 waits in gloo for 600 s
+@pytest.mark.parametrize("frozen", [1, 0])
+def test_a_rank_frozen_mid_training_is_named_in_seconds_and_the_run_resumes_exactly(data, reference, tmp_path,
+                                                                                     frozen):
+    # A rank SIGSTOPs itself at its 4th vote (epoch 1's end). Without the watchdog, the other waits in gloo for 600 s
     # and is torchrun's root cause; the launch's timeout is far shorter.
-    result = launch(2, "tests/faults.py", "stop-rank-at-step:4:1", "train.py", *RECIPE, f"data.name={data}",
+    result = launch(2, "tests/faults.py", f"stop-rank-at-step:4:{frozen}", "train.py", *RECIPE, f"data.name={data}",
                     f"project={tmp_path}", "train.hang_seconds=5", timeout=180)
-    line = (f"train.py: error: rank 1 on {socket.gethostname()}: gave no sign of life for 5 s (stopped, frozen, or its "
-            f"machine is gone), last seen at ")
+    line = (f"train.py: error: rank {frozen} on {socket.gethostname()}: gave no sign of life for 5 s (stopped, frozen, "
+            f"or its machine is gone), last seen ")  # where: published every 0.5 s, these steps are quicker
+    # Said once on the console, by the rank that ended it (rank 0's place when it is the one frozen)
     assert result.returncode != 0 and len(console_lines(result.stderr, line)) == 1, result.stderr[-3000:]
     cause = root_cause(result.stderr)
-    assert "rank      : 1 (local_rank: 1)" in cause and f"traceback : {line}" in cause, result.stderr[-3000:]
-    # Rank 0 ended the frozen rank: torchrun did not wait out its 30 s for a SIGTERM that a stopped process ignores
+    assert f"rank      : {frozen} (local_rank: {frozen})" in cause and f"traceback : {line}" in cause, \
+        result.stderr[-3000:]
+    # The other rank ended the frozen one: torchrun did not wait out its 30 s for a SIGTERM a stopped process ignores
     assert "forcefully exiting via" not in result.stderr, result.stderr[-3000:]
+    if frozen == 0:
+        return
     result = launch(2, "train.py", "--resume", tmp_path / "exp")
     assert result.returncode == 0, result.stderr[-3000:]
     assert_same_run(tmp_path / "exp", reference[2])
@@ -176,7 +182,7 @@ def test_a_rank_whose_main_thread_hangs_is_named_and_ends_itself(data, tmp_path)
     result = launch(2, "tests/faults.py", "hang-rank-at-step:2:1", "train.py", *RECIPE, f"data.name={data}",
                     f"project={tmp_path}", "train.hang_seconds=5", "train.save_every_steps=0", timeout=180)
     line = (f"train.py: error: rank 1 on {socket.gethostname()}: made no progress for 5 s while the other ranks waited "
-            f"for it, last seen at epoch 1, step 2/3 (in the step); the job ends here")
+            f"for it, stuck at epoch 1, step 2/3 (in the step); the job ends here")
     assert result.returncode != 0 and len(console_lines(result.stderr, line)) == 1, result.stderr[-3000:]
     cause = root_cause(result.stderr)
     assert "rank      : 1 (local_rank: 1)" in cause and "exitcode  : 2" in cause and line in cause, cause

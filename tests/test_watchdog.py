@@ -50,6 +50,32 @@ def test_a_rank_that_stands_still_behind_the_others_is_named_with_what_it_did():
     assert why == "made no progress for 0.3 s while the other ranks waited for it"
 
 
+def test_a_step_longer_than_the_limit_names_no_one_when_a_rank_ends_it_a_moment_before_another():
+    store, step = dist.HashStore(), "epoch 1, step 6/9 (in the step)"
+    now_at((0, 0, 5, 1), step)
+    for rank in (1, 2):
+        publish(store, rank, (0, 0, 5, 1), step)
+    dog = Watchdog(store, world_size=3, rank=0)
+    end = time.monotonic() + 1.0  # a step of three times the limit, every rank in it
+    while time.monotonic() < end:
+        for rank in (1, 2):
+            store.add(f"alive/{rank}", 1)
+        assert dog.hung() is None
+        time.sleep(0.05)
+    now_at((0, 0, 6, 0), "epoch 1, step 7/9 (loading its batch)")  # rank 0 ends it first, rank 1 then rank 2 follow
+    publish(store, 1, (0, 0, 6, 0), "epoch 1, step 7/9 (loading its batch)")
+    for _ in range(2):  # rank 2 is behind by a moment (half the limit), not by the step
+        for rank in (1, 2):
+            store.add(f"alive/{rank}", 1)
+        assert dog.hung() is None
+        time.sleep(0.15)
+    publish(store, 2, (0, 0, 6, 0), "epoch 1, step 7/9 (loading its batch)")
+    assert watch(store, 1.0, publishing=(1, 2)) is None
+    publish(store, 1, (0, 0, 6, 1), "epoch 1, step 7/9 (in the step)")  # then rank 2 stops loading: named
+    rank, _, place, frozen = watch(store, 3, publishing=(1, 2))
+    assert (rank, frozen, place["doing"]) == (2, False, "epoch 1, step 7/9 (loading its batch)")
+
+
 def test_a_rank_that_gives_no_sign_of_life_is_named_as_frozen_wherever_it_is():
     store = dist.HashStore()
     now_at((0, 0, 5, 1), "epoch 1, step 6/9 (in the step)")

@@ -3,6 +3,7 @@
 import difflib
 import inspect
 import json
+import math
 import re
 import textwrap
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -579,8 +580,8 @@ def check_train_values(cfg, require):
     require(0 <= cfg.train.ema_decay < 1, "train.ema_decay", "in [0, 1) (0 turns EMA off)")
     require(cfg.train.ema_steps >= 1, "train.ema_steps", ">= 1")
     require(cfg.train.patience >= 0, "train.patience", ">= 0 (0 trains every epoch)")
-    require(cfg.train.hang_seconds == 0 or cfg.train.hang_seconds >= 2, "train.hang_seconds",
-            "0 (off) or >= 2 (each rank shows it lives every 0.5 s)")
+    require(cfg.train.hang_seconds == 0 or 2 <= cfg.train.hang_seconds < math.inf, "train.hang_seconds",
+            "0 (off) or a number of seconds >= 2 (each rank shows it lives every 0.5 s)")
     require(cfg.train.log_every_steps >= 0, "train.log_every_steps", ">= 0 (0 logs the loss per epoch only)")
     require(cfg.train.precision in ("fp32", "bf16", "fp16", "auto"), "train.precision", "one of fp32, bf16, fp16, auto")
     require(cfg.train.class_weights in ("", "balanced"), "train.class_weights", "'' (off) or balanced")

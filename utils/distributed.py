@@ -8,6 +8,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 import uuid
 from contextlib import contextmanager, suppress
 from datetime import timedelta
@@ -35,7 +36,7 @@ STORE_TIMEOUT = timedelta(seconds=30)
 # This launch attempt's name and store, the event that stops watch_failures, and the lock held by the one thread
 # (the main one, or watch_failures) that says how this process ends; set when the process group is joined.
 _job = {"token": None, "store": None, "stop": threading.Event(), "said": threading.Lock(), "failed_here": False,
-        "ending": False}
+        "ending": False, "ended": None}
 _when_failing = []  # what this process does before it ends on a failure (when_failing)
 
 
@@ -149,7 +150,7 @@ def say_stopped(script, first):
     except Exception:
         failed = {"host": "its machine", "line": "its error did not reach this rank"}
     seconds = failed.get("time", int(time.time())) + 1  # after the failed rank's: torchrun names it as root cause
-    if RANK == 0:
+    if RANK == 0 or first == _job["ended"]:  # rank 0, or the rank that ended it frozen (it can say nothing)
         line = f"{script}: error: rank {first} on {failed['host']}: {failed['line']}"
     else:
         line = f"{script}: rank {RANK} on {HOST} stopped: rank {first} on {failed['host']} failed"
@@ -157,7 +158,8 @@ def say_stopped(script, first):
     # The failed rank may still wait up to FAILURE_GRACE_S for rank 0's line (said_by_rank0) before it exits. It
     # should exit first: torchrun then ends this rank, and its summary shows the failed rank's exit code, where a
     # stopped rank that exited first would have torchrun kill the failed one.
-    time.sleep(FAILURE_GRACE_S + 1)
+    if first != _job["ended"]:
+        time.sleep(FAILURE_GRACE_S + 1)
 
 
 def say(text, seconds=None):
@@ -208,7 +210,7 @@ def watch_failures(script, store, stop):
             if _job["failed_here"]:
                 return  # this rank says its own error
             end_as_named(script, store)
-        if stop.wait(FAILURE_GRACE_S) or _job["said"].locked():
+        if first != _job["ended"] and stop.wait(FAILURE_GRACE_S) or _job["said"].locked():
             return
         run_failure_actions()
         say_stopped(script, first)
@@ -237,12 +239,13 @@ def blame(store, rank, why, place, frozen):
     machine is ended here, its line first written where torchrun reads it, so that torchrun names it, not a
     waiter."""
     seconds, info = int(time.time()), json.loads(store.get(f"proc/{rank}"))
-    record_failure(store, hung_line(why, place), seconds, rank, info["host"])
+    record_failure(store, hung_line(why, place, frozen), seconds, rank, info["host"])
     if frozen and info["host"] == HOST and info["pidns"] == pid_namespace() and \
             proc_start(info["pid"]) == info["start"] is not None:
-        line = f"{os.path.basename(sys.argv[0])}: error: rank {rank} on {HOST}: {hung_line(why, place)}"
+        line = f"{os.path.basename(sys.argv[0])}: error: rank {rank} on {HOST}: {hung_line(why, place, frozen)}"
         record_for_torchrun(line, seconds, info["error_file"])
         os.kill(info["pid"], signal.SIGKILL)
+        _job["ended"] = rank  # it says nothing more: this rank says its line, and need not wait for it to end
     return rank
 
 
@@ -256,12 +259,21 @@ def end_as_named(script, store):
         line, seconds = failed["line"], failed["time"]
     except Exception:
         line, seconds = "named as hung by another rank", int(time.time())
+    print_main_stack(f"rank {RANK} on {HOST}, named as hung, stands here")
     text = f"{script}: error: rank {RANK} on {HOST}: {line}"
     if RANK >= LOCAL_WORLD_SIZE or RANK == 0:  # on rank 0's machine, rank 0 says it (say_stopped)
         say(text, seconds)
     elif _job["said"].acquire(blocking=False):
         record_for_torchrun(text, seconds)
     os._exit(2)
+
+
+def print_main_stack(title):
+    """Print where the main thread stands (its stack, most recent call last), under title: what a hung rank is
+    stuck in, said before it ends, when nobody can attach a debugger to it any more."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is not None:
+        print(f"{title}:\n{''.join(traceback.format_stack(frame)).rstrip()}", file=sys.stderr, flush=True)
 
 
 def end_without_store(script, error):
@@ -302,7 +314,7 @@ def setup_distributed():
         _job["store"] = connect_job_store(_job["token"])
         _job["store"].set(f"proc/{RANK}", identity(HOST))  # for a rank that ends this one if it freezes (blame)
         sign_of_life(_job["store"], [None])  # before any other rank can wait on this one
-        _job.update(stop=threading.Event(), said=threading.Lock(), failed_here=False, ending=False)
+        _job.update(stop=threading.Event(), said=threading.Lock(), failed_here=False, ending=False, ended=None)
         threading.Thread(target=watch_failures, args=(os.path.basename(sys.argv[0]), _job["store"], _job["stop"]),
                          name="watch_failures", daemon=True).start()
 

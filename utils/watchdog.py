@@ -80,13 +80,15 @@ def collective(fn):
     return waiting_for_every_rank
 
 
-def placed(items, place, label, using, first=0):
+def placed(items, place, label, using, first=0, total=None):
     """Iterate items (a DataLoader's batches), marking this rank at place + (i, 0) while item i loads and at
     place + (i, 1) while it is used, i counted from first; label.format(i + 1) names item i ('epoch 2, step 7/40'),
-    `using` what is done with it ('in the step')."""
+    `using` what is done with it ('in the step'); total: the items there are, where known."""
     items, i = iter(items), first
     while True:
-        now_at((*place, i, 0), f"{label.format(i + 1)} (loading its batch)")
+        past = total is not None and i >= total  # what follows the last item, not an item
+        doing = f"{label.format(total)} (done)" if past else f"{label.format(i + 1)} (loading its batch)"
+        now_at((*place, i, 0), doing)
         try:
             item = next(items)
         except StopIteration:
@@ -105,7 +107,7 @@ class Placed:
 
     def __iter__(self):
         self.passes += 1
-        return placed(self.loader, (*self.place, self.passes), self.label, self.using)
+        return placed(self.loader, (*self.place, self.passes), self.label, self.using, total=len(self.loader))
 
     def __len__(self):
         return len(self.loader)
@@ -166,13 +168,14 @@ def identity(host):
 
 
 class Watchdog:
-    """What this rank's watch thread knows of the other ranks: when each one's sign of life and place last changed,
-    by this process's own clock (machines' clocks may differ)."""
+    """What this rank's watch thread knows of the other ranks: when each one's sign of life last changed, and since
+    when each one has stood still in its place with another rank past it (behind), by this process's own clock
+    (machines' clocks may differ)."""
 
     def __init__(self, store, world_size=WORLD_SIZE, rank=RANK):
         self.store, self.others = store, [r for r in range(world_size) if r != rank]
         self.keys = [f"alive/{r}" for r in self.others] + [f"place/{r}" for r in self.others]
-        self.seen, self.read_at = {}, 0.0
+        self.seen, self.behind, self.read_at = {}, {}, 0.0
         self.every = max(CHECK_SECONDS, world_size / READINGS_A_SECOND)
 
     def hung(self):
@@ -196,12 +199,23 @@ class Watchdog:
             if now - self.seen[f"alive/{r}"][1] > seconds:
                 why = f"gave no sign of life for {seconds:g} s (stopped, frozen, or its machine is gone)"
                 return r, why, place, True
-            ahead = [p for p in [mine, *(places[o] for o in self.others if o != r)]
-                     if isinstance(p, dict) and p["place"] is not None]
-            if (isinstance(place, dict) and place["place"] is not None and now - self.seen[f"place/{r}"][1] > seconds
-                    and any(p["place"] > place["place"] for p in ahead)):
+            # Timed from when another rank was first seen past it, not from when it came to its place: in a step
+            # longer than the limit, the rank that ends it first is past the others by a moment, not by the step.
+            raw = self.seen[f"place/{r}"][0]
+            if not self.passed(place, [mine, *(places[o] for o in self.others if o != r)]):
+                self.behind.pop(r, None)
+            elif self.behind.get(r, (None,))[0] != raw:
+                self.behind[r] = raw, now
+            elif now - self.behind[r][1] > seconds:
                 return r, f"made no progress for {seconds:g} s while the other ranks waited for it", place, False
         return None
+
+    @staticmethod
+    def passed(place, others):
+        """Whether another rank's place (of others) is past place."""
+        if not isinstance(place, dict) or place["place"] is None:
+            return False
+        return any(isinstance(p, dict) and p["place"] is not None and p["place"] > place["place"] for p in others)
 
     def place(self, rank):
         """rank's published place ({'place', 'doing', 'moves'}), or LEFT."""
@@ -213,8 +227,10 @@ def published_place():
     return json.loads(published()[0])
 
 
-def hung_line(why, place):
-    """The line that names what a hung rank did last (its rank and machine are added by the caller)."""
-    doing = place["doing"] if isinstance(place, dict) else "starting"
-    return (f"{why}, last seen at {doing}; the job ends here (train.hang_seconds sets the limit; "
-            f"docs/troubleshooting.md says what to look at)")
+def hung_line(why, place, frozen):
+    """The line that names what a hung rank did last (its rank and machine are added by the caller): where a frozen
+    one was last seen (its place is published every 0.5 s), where a live one is stuck."""
+    where = f"at {place['doing']}" if isinstance(place, dict) and place["place"] is not None else \
+        "starting up"
+    return (f"{why}, {'last seen' if frozen else 'stuck'} {where}; the job ends here (train.hang_seconds sets the "
+            f"limit; docs/troubleshooting.md says what to look at)")
