@@ -316,7 +316,7 @@ def run_trial(trial, sweep, settings):
         print(f"  pruned after epoch {len(scores)}: {max(scores):.4f}; {short_path(run)}")
         return "PRUNED", None
     if child.process.returncode != 0 or not scores:
-        line = last_line(log)
+        line = failure_line(log)
         trial.set_user_attr("error", line)
         print(f"  failed (exit {child.process.returncode}): {line}; output in {short_path(log)}")
         return "FAIL", None
@@ -359,9 +359,13 @@ def epoch_scores(results, metric):
     return scores
 
 
-def last_line(log):
-    lines = [line for line in Path(log).read_text(errors="replace").splitlines() if line.strip()]
-    return lines[-1] if lines else "no output"
+def failure_line(log):
+    """What a failed trial's output says of its failure: train.py's error line (under torchrun, the first a rank
+    said), else its last line that is not a border of torchrun's summary (a crash's exception)."""
+    lines = [line.strip() for line in Path(log).read_text(errors="replace").splitlines() if line.strip()]
+    said = [line for line in lines if line.startswith("train.py: error:")]
+    lines = said or [line for line in lines if set(line) - set("=-")]
+    return (lines[0] if said else lines[-1]) if lines else "no output"
 
 
 def die_with_parent(parent):

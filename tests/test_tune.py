@@ -165,6 +165,29 @@ def test_nproc_runs_each_trial_under_torchrun(tmp_path):
     assert "train: 2 process(es) on cpu" in (tmp_path / "cls-lr" / "logs" / "trial-0.txt").read_text()
 
 
+def test_a_trial_that_fails_under_torchrun_is_recorded_with_the_ranks_error_line(tmp_path):
+    space = tmp_path / "batch.yaml"
+    space.write_text("train.batch_size: {choices: [47]}\n")  # one process takes it; two cannot share it
+    result = run_python(*sweep_command(space, tmp_path, 1, "--nproc", "2"))
+    assert result.returncode == 2
+    line = (f"train.py: error: {ROOT / 'recipes' / 'cls.yaml'} (with command-line overrides): train.batch_size must "
+            "be a multiple of the 2 processes")
+    assert read_trials(tmp_path / "cls-batch")[0]["error"].startswith(line), result.stdout[-3000:]
+    assert f"failed (exit 1): {line}" in result.stdout, result.stdout[-3000:]  # not torchrun's summary border
+
+
+def test_a_crash_without_an_error_line_is_recorded_by_its_exception_not_torchruns_border(tmp_path):
+    log = tmp_path / "trial-0.txt"
+    log.write_text("epoch 1/3 ...\n[rank1]: Traceback (most recent call last):\n[rank1]: RuntimeError: boom\n"
+                   "Traceback (most recent call last):\n  File \"run.py\", line 1, in <module>\n"
+                   "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n" + "=" * 60 +
+                   "\ntrain.py FAILED\n" + "-" * 60 + "\nRoot Cause (first observed failure):\n[0]:\n"
+                   "  traceback : Traceback (most recent call last):\n    RuntimeError: boom\n" + "=" * 60 + "\n")
+    assert tune.failure_line(log) == "RuntimeError: boom"
+    log.write_text("")
+    assert tune.failure_line(log) == "no output"
+
+
 def test_scores_stop_at_a_row_the_run_is_still_writing(tmp_path):
     results = tmp_path / "results.csv"
     results.write_text("epoch,val/loss,val/top1,val/ema_top1\n1,0.5,0.8,0.85\n2,0.4,0.9,\n3,0.3,0.9")  # row 3: cut
