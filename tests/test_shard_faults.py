@@ -13,6 +13,7 @@ import sys
 import tarfile
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ import data.shard_sets as shard_sets
 import data.shards as shards
 import utils.once
 from conftest import ROOT, closed_port, console_lines, http_server, run_python
-from data.shard_sets import ShardCache, ShardSamples, open_shard_set
+from data.shard_sets import INDEX_KIND, ShardCache, ShardSamples, open_shard_set, per_sample_arrays, read_json
 from test_download import SLOW_ANSWER, byte_at_a_time
 from test_n_invariance import served_shards, write_images
 from test_shards import RECIPE, jpeg_file, members, png_file
@@ -609,3 +610,21 @@ def test_a_fetched_shard_without_an_image_member_is_named_and_its_copy_kept(shar
                                 f"image member (.jpg, .jpeg, .png, .webp, .bmp, .ppm, .tif, .tiff); write the set "
                                 f"again with `python -m data.shards`")
     assert Path(cache.local(split.shards[0])).is_file()  # the copy is the shard as written: kept
+
+
+def test_an_index_is_parsed_into_arrays_at_a_few_times_its_bytes_not_a_dozen(tmp_path):
+    rng = np.random.default_rng(0)
+    n = 200_000  # per shard of 20: the writers' compact JSON, about 28 bytes a sample
+    shards = [{"url": f"s{k}.tar", "nsamples": n // 20, "labels": rng.integers(0, 1000, n // 20).tolist(),
+               "crcs": rng.integers(0, 2**32, n // 20).tolist(), "sizes": [[375, 500]] * (n // 20)}
+              for k in range(20)]
+    path = tmp_path / "index.json"
+    path.write_text(json.dumps({"__kind__": INDEX_KIND, "shardlist": shards}, separators=(",", ":")))
+    del shards
+    tracemalloc.start()
+    index = read_json(str(path), INDEX_KIND, "the shard index", {"shardlist": list}, hook=per_sample_arrays)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert all(isinstance(s[key], np.ndarray) for s in index["shardlist"] for key in ("labels", "crcs", "sizes"))
+    # Parsed as Python lists, the same index peaks at about 12x its bytes
+    assert peak < 6 * path.stat().st_size, (peak, path.stat().st_size)

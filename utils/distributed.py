@@ -210,7 +210,8 @@ def watch_failures(script, store, stop):
             if _job["failed_here"]:
                 return  # this rank says its own error
             end_as_named(script, store)
-        if first != _job["ended"] and stop.wait(FAILURE_GRACE_S) or _job["said"].locked():
+        # A rank that this one ended (frozen) says nothing more: no grace to wait for its line
+        if (first != _job["ended"] and stop.wait(FAILURE_GRACE_S)) or _job["said"].locked():
             return
         run_failure_actions()
         say_stopped(script, first)
