@@ -109,6 +109,9 @@ def parse_args(argv=None):
     parser.add_argument("--resume", nargs="?", const="", metavar="PATH",
                         help="continue a run exactly: a checkpoint, a run directory, or (no PATH) the newest run "
                              "under project; the recipe comes from the checkpoint")
+    parser.add_argument("--check", action="store_true",
+                        help="check the recipe, data and model as a run would, then exit without training or "
+                             "writing a run (tune.py checks a sweep's recipe so)")
     for key, what in (("project", "runs go to PROJECT/NAME"), ("name", "run name, incremented (exp, exp2, ...)")):
         parser.add_argument(f"--{key}", help=f"the same as the recipe key {key}={key.upper()} (val.py and predict.py "
                                              f"take --{key} too): {what}")
@@ -145,7 +148,7 @@ def main(argv=None):
                 cfg, run_dir, resume = prepare_run(args, check_model_name, follow_weights)
                 vote.device = select_device(cfg.device)
                 set_device(vote.device)
-                best = train(cfg, vote, autocast_dtype(cfg.train.precision, vote.device), run_dir, resume)
+                best = train(cfg, vote, autocast_dtype(cfg.train.precision, vote.device), run_dir, resume, args.check)
             except UsageError as e:  # said while this rank is still in the group, where the others find it
                 exit_on_error("train.py", e)
             except Exception:
@@ -160,10 +163,10 @@ def main(argv=None):
     return best
 
 
-def train(cfg, vote, dtype, run_dir=None, resume=None):
+def train(cfg, vote, dtype, run_dir=None, resume=None, check=False):
     """The whole run: data, model, optimizer, then per epoch train, validate, log and save. Returns the best val
     score of train.best_metric (top-1 by default), or None when the ranks stopped on a signal. vote (a StopVote,
-    entered) holds the training device."""
+    entered) holds the training device; check: stop once the data and model are built (--check)."""
     device = vote.device
     set_limit(cfg.train.hang_seconds)  # a rank that hangs is named after this long (utils/watchdog.py)
     check_batch_for_batchnorm(cfg)  # before the data is read: a mistake of the recipe alone
@@ -191,6 +194,9 @@ def train(cfg, vote, dtype, run_dir=None, resume=None):
                 f"{', multi-label' if cfg.data.multilabel else ''}; batch {cfg.train.batch_size} "
                 f"({cfg.train.batch_size // WORLD_SIZE} per process), {steps} steps per epoch"
                 f"{f'; resuming at epoch {state.epoch + 1}, step {state.step}' if resume else ''}")
+    if check:
+        LOGGER.info(f"{colorstr('train:')} --check: the recipe, data and model are ready to train; nothing written")
+        return state.best_score
     # Only now: a run that fails on its data or model leaves no directory behind.
     continuing = run_dir is not None  # resumed, or restarted by torchrun into this job's run
     vote.started = True  # from here a Ctrl-C stops the run where it can save (StopVote)

@@ -8,33 +8,42 @@ Usage:
     python train.py --recipe runs/tune/cls-cls/best.yaml
 
 The space file maps recipe keys to a range ({low: 0.01, high: 0.3, log: true}; whole numbers for a key that takes them)
-or to choices ({choices: [sgd, adamw]}); every value is checked as train.py checks an override before any trial runs.
-The sweep lives in runs/tune/NAME (--name; the recipe's and the space's names by default): study.db (the Optuna study,
-SQLite, unless --storage), trial-K/ (trial K's run: TensorBoard logs with its keys on the HParams page, results.csv,
-weights), logs/trial-K.txt (its output), trials.csv, best.yaml, history.png and importances.png. Trials are sampled
-by TPE (seeded by --seed) and pruned by the median of the others' validation metric (train.best_metric) at the same
-epoch: a pruned trial is a run stopped early, its checkpoint saved. The same command run again goes on with the
-sweep: finished trials are kept, one that was cut off (Ctrl-C, SIGTERM, a crash, a killed machine) is run again.
+or to choices ({choices: [sgd, adamw]}); every value is checked as train.py checks an override, and the recipe with
+the sweep's fixed overrides by train.py --check, before any trial runs. The sweep lives in runs/tune/NAME (--name;
+the recipe's and the space's names, and the data set's where data.name is set, by default): study.db (the Optuna
+study, SQLite, unless --storage), trial-K/ (trial K's run: TensorBoard logs with its keys on the HParams page,
+results.csv, weights), logs/trial-K.txt (its output), trials.csv, best.yaml, history.png and importances.png.
+
+Optuna runs the study (Study.optimize): TPE samples each trial's keys (seeded by --seed and the trial's number), the
+median pruner stops a trial whose score trails the finished trials' at the same fraction of their schedules, workers
+show they live by Optuna's heartbeat, and a trial whose worker died or was stopped is run again (resumed from its
+last.pt where its run is here). The same command run again goes on with the sweep.
 """
 
 import argparse
 import csv
+import math
 import os
+import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
 import warnings
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
+import numpy as np
 import yaml
 from omegaconf import OmegaConf
 
 try:
     import optuna
     import optuna.distributions as od
+    from optuna.storages import RetryHeartbeatStaleTrialCallback
+    from optuna.study import MaxTrialsCallback
     from optuna.trial import TrialState
 except ImportError:
     sys.exit("tune.py: error: needs Optuna, an optional extra: pip install -r requirements-tune.txt")
@@ -48,56 +57,89 @@ from utils.once import atomic_write
 ROOT = Path(__file__).resolve().parent
 HOST = socket.gethostname()
 RANGE_KEYS, CHOICE_KEYS = {"low", "high", "log", "step"}, {"choices"}
+COUNTED = (TrialState.COMPLETE, TrialState.PRUNED)  # the trials --trials counts: those that gave a verdict
+with warnings.catch_warnings():  # experimental in Optuna since 2.8
+    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+    RETRY = RetryHeartbeatStaleTrialCallback(max_retry=3)  # a trial cut off (its worker died, or stopped) runs again
+PRUNE_FROM = 25  # percent of its schedule a trial runs before the pruner may stop it
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", help="the recipe to search (a name in recipes/ or a path)")
     parser.add_argument("--space", help="YAML file: recipe keys to search, each with a range or choices")
-    parser.add_argument("--trials", type=int, default=20, help="trials in the study, all workers together")
+    parser.add_argument("--trials", type=int, default=20,
+                        help="the sweep ends when this many trials finished or were pruned (or failed), all workers "
+                             "together")
     parser.add_argument("--nproc", type=int, default=1, help="processes per trial: >1 launches each under torchrun")
     parser.add_argument("--storage", help="an Optuna storage URL shared by several machines (default: SQLite here)")
     parser.add_argument("--study", help="the study's name in --storage (default: the sweep's name)")
     parser.add_argument("--project", default="runs/tune", help="sweeps go to PROJECT/NAME")
-    parser.add_argument("--name", help="the sweep's name (default: RECIPE-SPACE)")
-    parser.add_argument("--seed", type=int, default=0, help="the sampler's seed")
+    parser.add_argument("--name", help="the sweep's name (default: RECIPE-SPACE, and -DATA where data.name is set)")
+    parser.add_argument("--seed", type=int, default=0, help="the sampler's seed (>= 0)")
     parser.add_argument("--no-prune", action="store_true", help="run every trial to its end (no median pruning)")
+    parser.add_argument("--heartbeat", type=int, default=10, metavar="SECONDS",
+                        help="how often a worker records that its trial lives; a trial silent for 3 times as long is "
+                             "failed and run again by any worker")
     parser.add_argument("--report", metavar="SWEEP", help="only report a sweep's folder: table, best.yaml, plots")
     parser.add_argument("overrides", nargs="*", help="key=value recipe overrides for every trial")
     args = parser.parse_args(argv)
     if args.report is None and not (args.recipe and args.space):
         parser.error("--recipe and --space are needed (or --report SWEEP)")
-    if args.trials < 1 or args.nproc < 1:
-        parser.error("--trials and --nproc must be >= 1")
+    if args.trials < 1 or args.nproc < 1 or args.heartbeat < 1 or args.seed < 0:
+        parser.error("--trials, --nproc and --heartbeat must be >= 1, --seed >= 0")
     return args
 
 
+class Stopped(KeyboardInterrupt):
+    """A stop signal to tune.py: the trial running is passed the signal too (train.py saves and stops)."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+CHILD = {}  # the trial's process while one runs, for stop() to pass a signal on
+
+
+def stop(signum, frame):
+    child = CHILD.get("process")
+    if child is not None and child.poll() is None:
+        child.send_signal(signum)
+    raise Stopped(signum)
+
+
 def main(argv=None):
-    """Run or report a sweep; bad input exits with code 2 and one line."""
+    """Run or report a sweep; bad input exits with code 2 and one line, a stop signal with 128 + its number."""
     args = parse_args(argv)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
         if args.report:
             sweep, settings = Path(args.report), read_settings(Path(args.report))
-            study = open_study(storage_of(sweep, args.storage, settings), args.study or settings["study"])
+            study = open_study(storage_of(sweep, args.storage, settings), args.study or settings["study"],
+                               heartbeat=args.heartbeat)
         else:
             space = read_space(args.space, args.recipe, args.overrides)
             sweep, settings = claim_sweep(args)
+            check_recipe(settings)
             study = open_study(storage_of(sweep, args.storage, settings), settings["study"], create=True,
-                               prune=not args.no_prune)
+                               prune=not args.no_prune, heartbeat=args.heartbeat)
             run_sweep(study, space, sweep, settings, args.trials, args.seed)
         report(study, sweep, settings)
     except UsageError as e:
         print(f"tune.py: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("tune.py: stopped; the same command goes on with the sweep", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(128 + getattr(e, "signum", signal.SIGINT))
     except optuna.exceptions.StorageInternalError as e:
         print(f"tune.py: error: the study's database failed: {str(e).splitlines()[0]}; the same command goes on "
               f"with the sweep", file=sys.stderr)
         sys.exit(1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def read_space(path, recipe, overrides):
@@ -143,34 +185,49 @@ def read_space(path, recipe, overrides):
 
 
 def numeric_range(where, kind, spec):
-    """The Optuna distribution of a {low, high, log, step} range of a key of type kind."""
+    """The Optuna distribution of a {low, high, log, step} range of a key of type kind, as Optuna checks it (and
+    its warning that it would shrink a range that is not a whole number of steps, as an error)."""
     numbers = [spec[k] for k in ("low", "high", "step") if k in spec]
     if kind not in (int, float) or not all(isinstance(n, (int, float)) and not isinstance(n, bool) for n in numbers):
         raise UsageError(f"{where}: a range needs a key that takes a number and numbers for its bounds; "
                          f"this key takes {getattr(kind, '__name__', kind)}, given {spec!r} (use choices)")
     if kind is int and not all(isinstance(n, int) for n in numbers):
         raise UsageError(f"{where}: takes a whole number, so its range must be whole numbers, given {spec!r}")
+    if not isinstance(spec.get("log", False), bool):
+        raise UsageError(f"{where}: log must be true or false, given {spec!r}")
     if not spec["low"] < spec["high"] or (spec.get("log") and spec["low"] <= 0):
         raise UsageError(f"{where}: needs low < high (and low > 0 with log: true), given {spec!r}")
-    options = {"log": bool(spec.get("log", False)), "step": spec.get("step")}
-    if kind is int:
-        return od.IntDistribution(spec["low"], spec["high"], log=options["log"], step=options["step"] or 1)
-    return od.FloatDistribution(float(spec["low"]), float(spec["high"]), **options)
+    options = {"log": spec.get("log", False), **({"step": spec["step"]} if "step" in spec else {})}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            if kind is int:
+                return od.IntDistribution(spec["low"], spec["high"], **options)
+            return od.FloatDistribution(float(spec["low"]), float(spec["high"]), **options)
+    except (ValueError, UserWarning) as e:
+        raise UsageError(f"{where}: {str(e).replace('`', '')} (Optuna), given {spec!r}") from None
 
 
 def claim_sweep(args):
-    """The sweep's folder and settings: made for a new sweep, checked against this command for one going on."""
-    name = args.name or f"{Path(args.recipe).stem}-{Path(args.space).stem}"
+    """The sweep's folder and settings: made for a new sweep, checked against this command for one going on. A
+    command goes on with a sweep when its recipe and space mean the same (resolved values, not their text)."""
+    cfg = load_recipe(args.recipe, args.overrides)
+    data = [Path(cfg.data.name.rstrip("/")).stem] if any(o.startswith("data.name=") for o in args.overrides) else []
+    name = args.name or "-".join([Path(args.recipe).stem, Path(args.space).stem, *data])
     sweep = Path(args.project) / name
-    settings = {"recipe": args.recipe, "space": Path(args.space).read_text(), "overrides": list(args.overrides),
-                "nproc": args.nproc, "shared": bool(args.storage), "study": args.study or name}
-    settings["metric"] = best_metric(load_recipe(args.recipe, args.overrides))
+    settings = {"recipe": args.recipe, "overrides": list(args.overrides), "space": yaml.safe_load(
+        Path(args.space).read_text()), "nproc": args.nproc, "shared": bool(args.storage),
+        "study": args.study or name, "metric": best_metric(cfg), "resolved": OmegaConf.to_container(cfg)}
     if (sweep / "sweep.yaml").exists():
         before = read_settings(sweep)
-        changed = [key for key in settings if before.get(key) != settings[key]]
+        if isinstance(before.get("space"), str):  # written by an earlier tune.py, as the file's text
+            before["space"] = yaml.safe_load(before["space"])
+        before.setdefault("resolved", OmegaConf.to_container(load_recipe(before["recipe"], before["overrides"])))
+        changed = [key for key in ("resolved", "space", "nproc", "shared", "study") if before[key] != settings[key]]
         if changed:
-            raise UsageError(f"{sweep} holds a sweep of another command (its {', '.join(changed)} differ): give "
-                             f"another --name, or the command that started it")
+            what = {"resolved": "recipe (with the overrides)"}
+            raise UsageError(f"{sweep} holds a sweep of another command (its {', '.join(what.get(k, k) for k in changed)}"
+                             f" differ): give another --name, or the command that started it")
         return sweep, before
     (sweep / "logs").mkdir(parents=True, exist_ok=True)
     with atomic_write(sweep / "sweep.yaml") as tmp:
@@ -185,6 +242,25 @@ def read_settings(sweep):
         raise UsageError(f"{sweep}: no sweep.yaml: not a sweep folder of tune.py") from None
 
 
+def check_recipe(settings):
+    """train.py --check of the recipe with the sweep's fixed overrides, launched as a trial is: what train.py would
+    refuse before any work (a data set that is not there, a batch the processes cannot share) is refused once, here,
+    not by every trial."""
+    command = train_command(settings, ["--recipe", settings["recipe"], *settings["overrides"], "--check"])
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise UsageError(f"train.py refuses the sweep's recipe and overrides, so every trial would fail: "
+                         f"{failure_line(result.stdout + result.stderr)}")
+
+
+def train_command(settings, arguments):
+    """train.py with arguments, under torchrun for a sweep of several processes per trial."""
+    if settings["nproc"] > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={settings['nproc']}", str(ROOT / "train.py"), *arguments]
+    return [sys.executable, str(ROOT / "train.py"), *arguments]
+
+
 def storage_of(sweep, storage, settings):
     """The study's storage: --storage where given, else the sweep folder's SQLite file (a shared study's URL is not
     saved in sweep.yaml: it may hold a password)."""
@@ -195,55 +271,113 @@ def storage_of(sweep, storage, settings):
     return f"sqlite:///{(sweep / 'study.db').resolve()}"
 
 
-def open_study(storage, name, create=False, prune=True, tries=5):
-    """The Optuna study (maximising the metric): TPE (run_sweep seeds it per trial), median pruning unless not prune;
-    created with the sweep."""
+def open_study(url, name, create=False, prune=True, heartbeat=10, tries=5):
+    """The Optuna study (maximising the metric) in an RDB storage whose workers record a heartbeat: a trial silent
+    for 3 heartbeats is failed and run again (RETRY) by the next worker to start a trial. Median pruning at the
+    same percent of the schedule, unless not prune; created with the sweep."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    sampler = optuna.samplers.TPESampler()
-    pruner = optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1) if prune else optuna.pruners.NopPruner()
+    pruner = optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=PRUNE_FROM) if prune else \
+        optuna.pruners.NopPruner()
     for attempt in range(tries):
         try:
+            with warnings.catch_warnings():  # the heartbeat: experimental in Optuna since 2.9
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                storage = optuna.storages.RDBStorage(url, heartbeat_interval=heartbeat, grace_period=3 * heartbeat,
+                                                     heartbeat_stale_trial_callback=RETRY)
             if create:
-                return optuna.create_study(storage=storage, study_name=name, direction="maximize", sampler=sampler,
-                                           pruner=pruner, load_if_exists=True)
-            return optuna.load_study(storage=storage, study_name=name, sampler=sampler, pruner=pruner)
+                return optuna.create_study(storage=storage, study_name=name, direction="maximize", pruner=pruner,
+                                           load_if_exists=True)
+            return optuna.load_study(storage=storage, study_name=name, pruner=pruner)
         except (KeyError, ImportError, ValueError) as e:
-            raise UsageError(f"study {name!r} in {storage.split('@')[-1]}: {e}") from None
+            raise UsageError(f"study {name!r} in {url.split('@')[-1]}: {e}") from None
         except SQLAlchemyError as e:  # workers starting together race to create the database's tables: try again
             if attempt == tries - 1:
-                raise UsageError(f"study {name!r} in {storage.split('@')[-1]}: {str(e).splitlines()[0]}") from None
+                raise UsageError(f"study {name!r} in {url.split('@')[-1]}: {str(e).splitlines()[0]}") from None
             time.sleep(0.2 * (attempt + 1))
 
 
 def run_sweep(study, space, sweep, settings, trials, seed=0):
-    """Trials until the study holds `trials` that finished, were pruned, failed of their own or are running."""
-    retry_dead_trials(study)
-    while counted(study) < trials:
-        trial = ask(study, space, seed)
-        try:
-            state, value = run_trial(trial, sweep, settings)
-        except BaseException:  # stopped, or the study's database failed: the trial is run again by whoever goes on
-            with suppress(Exception):
-                cut_off(study, trial.number, trial.params)
-            raise
-        study.tell(trial, value, state=getattr(TrialState, state))
+    """Optuna's optimize loop until `trials` trials finished or were pruned, or as many failed (a failure of the
+    sweep's own); a trial stopped or cut off is not counted, and runs again."""
+    ends = (COUNTED, (TrialState.FAIL,))
+    if any(len(study.get_trials(deepcopy=False, states=states)) >= trials for states in ends):
+        return  # done already: optimize would run one more trial before its callbacks
+    study.optimize(lambda trial: run_trial(trial, space, sweep, settings, seed), catch=(TrialFailed,),
+                   callbacks=[MaxTrialsCallback(trials, states=states) for states in ends])
 
 
-def ask(study, space, seed):
-    """A new trial of the study, named as this worker's, its keys drawn (or an enqueued trial's own) from a sampler
-    seeded by seed + its number: workers, and a sweep run again, draw different keys, and the same seed draws the
-    same keys for the same trial number."""
-    trial = study.ask()
-    trial.set_user_attr("worker", worker_id())
-    study.sampler = optuna.samplers.TPESampler(seed=seed + trial.number)
-    for key, distribution in space.items():
-        suggest(trial, key, distribution)
-    return trial
+class TrialFailed(Exception):
+    """A trial's train.py failed: Optuna records the trial as failed, and the sweep goes on."""
+
+
+def seeded_sampler(seed, number):
+    """TPE (with constant_liar: workers draw away from each other's running trials), its random stream NumPy's
+    SeedSequence of (seed, trial number): a trial's draws depend on the seed and its number only (and the study's
+    history), and two seeds' streams never overlap."""
+    entropy = int(np.random.SeedSequence([seed, number]).generate_state(1)[0])
+    return optuna.samplers.TPESampler(seed=entropy, constant_liar=True)
+
+
+def run_trial(trial, space, sweep, settings, seed):
+    """Optuna's objective: run the trial's training; returns its best val score, or raises TrialPruned, TrialFailed,
+    or a stop (the trial is then run again, resumed)."""
+    params = draw(trial, space, seed)
+    retried = RETRY.retried_trial_number(study_trial(trial))
+    run = sweep / trial.user_attrs.get("run", f"trial-{trial.number}")  # a retry's: its first try's
+    trial.set_user_attr("run", run.name)
+    trial.set_user_attr("host", HOST)
+    log, epochs = sweep / "logs" / f"trial-{trial.number}.txt", trial_epochs(settings, params)
+    if retried is not None and (run / "weights" / "last.pt").exists():
+        arguments, started = ["--resume", str(run)], "resumed from its last.pt"
+    else:
+        if run.exists() and retried is None:
+            raise UsageError(f"{run} exists, but the study does not know it: the study was replaced; give another "
+                             f"--name")
+        shutil.rmtree(run, ignore_errors=True)  # a try cut off before it saved anything
+        overrides = [*settings["overrides"], *(f"{k}={as_override(v)}" for k, v in params.items())]
+        arguments, started = ["--recipe", settings["recipe"], *overrides, f"project={sweep}", f"name={run.name}"], ""
+    print(f"{colorstr('tune:')} trial {trial.number}: {shown(params)}"
+          f"{f' (trial {retried} again' + (', ' + started if started else '') + ')' if retried is not None else ''}",
+          flush=True)
+    start = time.time()
+    try:
+        with open(log, "a") as out, child_process(train_command(settings, arguments), out) as process:
+            pruned = watch(process, trial, run / "results.csv", settings["metric"], epochs)
+    except KeyboardInterrupt:
+        with suppress(Exception):  # asked again, to resume from its last.pt, by whichever worker goes on
+            RETRY(trial.study, study_trial(trial))
+        raise
+    finally:
+        with suppress(Exception):
+            trial.set_user_attr("seconds", round(time.time() - start, 1))
+    scores, metric = epoch_scores(run / "results.csv", settings["metric"]), settings["metric"]
+    if pruned:
+        epoch, median = pruned
+        why = (f"pruned after epoch {epoch}/{epochs}: val {metric} {max(scores[:epoch]):.2%} at "
+               f"{percent_done(epoch, epochs)}% of its schedule, below the finished trials' median there "
+               f"({median:.2%})")
+        with open(log, "a") as out:
+            out.write(f"tune.py: trial {trial.number} {why}\n")
+        print(f"  {why}; {short_path(run)}")
+        raise optuna.TrialPruned()
+    if process.returncode != 0 or not scores:
+        line = failure_line(Path(log).read_text(errors="replace"))
+        trial.set_user_attr("error", line)
+        print(f"  failed (exit {process.returncode}): {line}; output in {short_path(log)}")
+        raise TrialFailed(line)
+    print(f"  val {metric} {max(scores):.2%} (best of {len(scores)} epochs); {short_path(run)}")
+    return max(scores)
+
+
+def draw(trial, space, seed):
+    """The trial's keys: a retried trial's own, else drawn by a sampler seeded for this trial (seeded_sampler)."""
+    trial.study.sampler = seeded_sampler(seed, trial.number)  # before the first suggest, where TPE draws
+    return {key: suggest(trial, key, distribution) for key, distribution in space.items()}
 
 
 def suggest(trial, key, distribution):
-    """The trial's value of key (an enqueued trial's own, else the sampler's)."""
+    """The trial's value of key (a retried trial's own, else the sampler's)."""
     if isinstance(distribution, od.CategoricalDistribution):
         return trial.suggest_categorical(key, distribution.choices)
     if isinstance(distribution, od.IntDistribution):
@@ -252,95 +386,75 @@ def suggest(trial, key, distribution):
     return trial.suggest_float(key, distribution.low, distribution.high, step=distribution.step, log=distribution.log)
 
 
-def cut_off(study, number, params):
-    """Fail a trial that did not end and ask for its keys again, once: only the worker whose tell changed its state
-    enqueues them."""
-    try:
-        study.tell(number, state=TrialState.FAIL)
-    except (ValueError, optuna.exceptions.UpdateFinishedTrialError):  # finished meanwhile: another worker did it
-        return False
-    study.enqueue_trial(params, user_attrs={"retry_of": number})
-    return True
+def study_trial(trial):
+    """The study's record of a running trial (a FrozenTrial, as Optuna's callbacks take it)."""
+    return next(t for t in trial.study.get_trials(deepcopy=False) if t.number == trial.number)
 
 
-def counted(study):
-    return sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING) or
-               (t.state == TrialState.FAIL and "error" in t.user_attrs) for t in study.get_trials(deepcopy=False))
+def trial_epochs(settings, params):
+    """train.epochs of the trial's recipe."""
+    overrides = [*settings["overrides"], *(f"{k}={as_override(v)}" for k, v in params.items())]
+    return load_recipe(settings["recipe"], overrides).train.epochs
 
 
-def worker_id():
-    """This process on this machine, as a trial records who runs it: host, pid and the pid's start time."""
-    return f"{HOST}:{os.getpid()}:{started(os.getpid())}"
-
-
-def started(pid):
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return "?"
-
-
-def retry_dead_trials(study, unclaimed_after=60):
-    """Trials left running by a tune.py of this machine that is gone (killed, crashed), or by one that died before it
-    put its name on the trial, are failed and asked again."""
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        worker = trial.user_attrs.get("worker")
-        if worker is None:
-            dead = time.time() - trial.datetime_start.timestamp() > unclaimed_after
-        else:
-            host, pid, start = worker.rsplit(":", 2)
-            dead = host == HOST and pid.isdigit() and started(int(pid)) != start
-        if dead and cut_off(study, trial.number, trial.params):
-            print(f"tune.py: trial {trial.number} was cut off (its tune.py is gone): running it again")
-
-
-def run_trial(trial, sweep, settings):
-    """Run trial's training and return (state, value): COMPLETE with the best val metric, PRUNED, or FAIL."""
-    run, log = sweep / f"trial-{trial.number}", sweep / "logs" / f"trial-{trial.number}.txt"
-    overrides = [*settings["overrides"], *(f"{k}={as_override(v)}" for k, v in trial.params.items())]
-    command = [sys.executable, str(ROOT / "train.py"), "--recipe", settings["recipe"], *overrides,
-               f"project={sweep}", f"name={run.name}"]
-    if settings["nproc"] > 1:
-        command[1:2] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={settings['nproc']}",
-                        str(ROOT / "train.py")]
-    if run.exists():
-        raise UsageError(f"{run} exists, but the study does not know it: the study was replaced; give another --name")
-    print(f"{colorstr('tune:')} trial {trial.number}: {shown(trial.params)}", flush=True)
+@contextmanager
+def child_process(command, out):
+    """The trial's train.py, its output to out; it is told (SIGTERM) to save and stop if tune.py dies, and on any
+    error here it is stopped and waited for."""
     parent = os.getpid()
-    with open(log, "w") as out, stopping_with_child() as child:
-        child.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                         preexec_fn=lambda: die_with_parent(parent))
-        pruned = watch(child.process, trial, run / "results.csv", settings["metric"])
-    scores = epoch_scores(run / "results.csv", settings["metric"])
-    if pruned:
-        print(f"  pruned after epoch {len(scores)}: {max(scores):.4f}; {short_path(run)}")
-        return "PRUNED", None
-    if child.process.returncode != 0 or not scores:
-        line = failure_line(log)
-        trial.set_user_attr("error", line)
-        print(f"  failed (exit {child.process.returncode}): {line}; output in {short_path(log)}")
-        return "FAIL", None
-    print(f"  val {settings['metric']} {max(scores):.4f} (best of {len(scores)} epochs); {short_path(run)}")
-    return "COMPLETE", max(scores)
+    process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                               preexec_fn=lambda: die_with_parent(parent))
+    CHILD["process"] = process
+    try:
+        yield process
+    finally:
+        CHILD.pop("process", None)
+        if process.poll() is None:  # a Ctrl-C from the terminal reached it too; this makes sure
+            process.send_signal(signal.SIGTERM)
+        process.wait()
 
 
-def watch(process, trial, results, metric):
-    """Report each epoch's score to the trial as the run writes it; stop the run (SIGTERM: train.py saves and stops)
-    if the pruner says so. Returns whether it was pruned."""
-    reported = 0
+def percent_done(epoch, epochs):
+    """How much of a schedule of epochs the first epoch epochs are, in whole percent: the step the pruner compares
+    trials at, so that a trial of 10 epochs at its third is judged against a 4-epoch trial's first, not its third."""
+    return math.floor(100 * epoch / epochs)
+
+
+def watch(process, trial, results, metric, epochs):
+    """Report each epoch's best score so far to the trial, at every percent of the schedule it covers, and print it;
+    stop the run (SIGTERM: train.py saves and stops) if the pruner says so. Returns (epochs done, the median they
+    trailed) when it was pruned, else None."""
+    reported, best = 0, sweep_best(trial.study)
     while True:
         ended = process.poll() is not None
         scores = epoch_scores(results, metric)
         for epoch in range(reported, len(scores)):
-            trial.report(scores[epoch], epoch)  # all of them: the pruner compares later trials with these
-            if not ended and trial.should_prune():
+            so_far = max(scores[:epoch + 1])
+            for step in range(percent_done(epoch, epochs) + 1, percent_done(epoch + 1, epochs) + 1):
+                trial.report(so_far, step)
+            trial.set_user_attr("seconds", round(time.time() - trial.datetime_start.timestamp(), 1))
+            print(f"  epoch {epoch + 1}/{epochs}: val {metric} {scores[epoch]:.2%} (trial best {so_far:.2%}"
+                  f"{f', sweep best {best:.2%}' if best is not None else ''})", flush=True)
+            if not ended and epoch + 1 < epochs and trial.should_prune():
                 process.send_signal(signal.SIGTERM)
                 process.wait()
-                return True
+                return epoch + 1, median_at(trial.study, percent_done(epoch + 1, epochs))
         reported = len(scores)
         if ended:
-            return False
+            return None
         time.sleep(0.5)
+
+
+def sweep_best(study):
+    values = [t.value for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
+    return max(values) if values else None
+
+
+def median_at(study, step):
+    """The median of the finished trials' scores at step, which the median pruner compared a trial with."""
+    values = [t.intermediate_values[step] for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+              if step in t.intermediate_values]
+    return statistics.median(values) if values else math.nan
 
 
 def epoch_scores(results, metric):
@@ -359,10 +473,10 @@ def epoch_scores(results, metric):
     return scores
 
 
-def failure_line(log):
-    """What a failed trial's output says of its failure: train.py's error line (under torchrun, the first a rank
-    said), else its last line that is not a border of torchrun's summary (a crash's exception)."""
-    lines = [line.strip() for line in Path(log).read_text(errors="replace").splitlines() if line.strip()]
+def failure_line(output):
+    """What a failed train.py's output says of its failure: its error line (under torchrun, the first a rank said),
+    else its last line that is not a border of torchrun's summary (a crash's exception)."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
     said = [line for line in lines if line.startswith("train.py: error:")]
     lines = said or [line for line in lines if set(line) - set("=-")]
     return (lines[0] if said else lines[-1]) if lines else "no output"
@@ -381,30 +495,6 @@ def die_with_parent(parent):
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-class stopping_with_child:
-    """While a trial runs, a SIGTERM to tune.py is passed to the trial (which saves and stops), then tune.py stops;
-    Ctrl-C reaches both from the terminal. On any error the trial is stopped and waited for."""
-
-    process = None
-
-    def __enter__(self):
-        self.previous = signal.signal(signal.SIGTERM, self.forward)
-        return self
-
-    def forward(self, signum, frame):
-        if self.process is not None:
-            self.process.send_signal(signum)
-        raise KeyboardInterrupt
-
-    def __exit__(self, kind, *_):
-        signal.signal(signal.SIGTERM, self.previous)
-        if kind is not None and self.process is not None:
-            if self.process.poll() is None:  # a Ctrl-C from the terminal reached it too; this makes sure
-                self.process.send_signal(signal.SIGTERM)
-            self.process.wait()
-        return False
-
-
 def report(study, sweep, settings):
     """The best trials as a table and trials.csv, the best one as best.yaml, and Optuna's plots."""
     trials = study.get_trials(deepcopy=False)
@@ -412,9 +502,9 @@ def report(study, sweep, settings):
     done = sorted((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: -t.value)
     states = {s.name.lower(): sum(t.state == s for t in trials) for s in TrialState if any(t.state == s for t in trials)}
     print(f"{colorstr('tune:')} {len(trials)} trials ({', '.join(f'{n} {s}' for s, n in states.items())}); "
-          f"val {settings['metric']}, best first:")
+          f"val {settings['metric']}, best first (chosen on the val images these figures are measured on):")
     for t in done[:5]:
-        print(f"  trial {t.number:3d}  {t.value:.4f}  {shown(t.params)}")
+        print(f"  trial {t.number:3d}  {t.value:.2%}  {shown(t.params)}")
     if not done:
         raise UsageError(f"{sweep}: no trial has finished yet (their output: {short_path(sweep / 'logs')})")
     write_best(sweep / "best.yaml", done[0], settings)
@@ -428,14 +518,17 @@ def shown(params):
 
 
 def write_trials_csv(path, trials):
+    """Every trial: its state, value and keys; the seconds its training ran (to its last epoch, for one cut off);
+    the trial it runs again, the machine that ran it, and a failed one's error line."""
     keys = sorted({k for t in trials for k in t.params})
     with atomic_write(path) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["trial", "state", "value", *keys, "seconds", "retry_of", "error"])
+        writer.writerow(["trial", "state", "value", *keys, "seconds", "retry_of", "host", "error"])
         for t in trials:
-            seconds = (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete else ""
+            history = RETRY.retry_history(t)
             writer.writerow([t.number, t.state.name, "" if t.value is None else t.value,
-                             *(t.params.get(k, "") for k in keys), seconds, t.user_attrs.get("retry_of", ""),
+                             *(t.params.get(k, "") for k in keys), t.user_attrs.get("seconds", ""),
+                             history[-1] if history else "", t.user_attrs.get("host", ""),
                              t.user_attrs.get("error", "")])
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,8 @@ def test_a_sweep_runs_its_trials_and_writes_the_best_as_a_recipe_that_trains(spa
     assert recipe == {"base": "cls.yaml", "train": {"epochs": 1, "label_smoothing": float(best["train.label_smoothing"])},
                       "model": {"width": 8}, "optim": {"lr": pytest.approx(float(best["optim.lr"]))}}
     assert (sweep / "history.png").stat().st_size > 0 and f"trial {best['trial']:>3s}" in result.stdout
+    for t in trials:  # each trial's epochs are shown as they end, as train.py shows its figures
+        assert f"  epoch 1/1: val top1 {float(t['value']):.2%} (trial best {float(t['value']):.2%}" in result.stdout
     trained = run_python("train.py", "--recipe", str(sweep / "best.yaml"), f"project={tmp_path}", "name=best")
     assert trained.returncode == 0, trained.stderr[-3000:]
     saved = yaml.safe_load((tmp_path / "best" / "recipe.yaml").read_text())
@@ -71,6 +74,15 @@ def test_a_sweep_runs_its_trials_and_writes_the_best_as_a_recipe_that_trains(spa
     ("optim.lr: {low: 0.1, high: 0.01}", "optim.lr: needs low < high"),
     ("optim.lr: [0.1, 0.2]", "optim.lr: give {low: L, high: H}"),
     ("model.width: {low: 4, high: 8}", "model.width: searched, and also set on the command line"),
+    ("optim.lr: {low: 0.01, high: 0.3, log: true, step: 0.01}", "optim.lr: The parameter step is not supported when "
+                                                                "log is true. (Optuna)"),
+    ("optim.lr: {low: 0.01, high: 0.3, step: -1}", "optim.lr: step > 0 must hold, but got step=-1. (Optuna)"),
+    ("optim.lr: {low: 0.01, high: 0.3, step: 0.0}", "optim.lr: step > 0 must hold, but got step=0.0. (Optuna)"),
+    ("model.depth: {low: 1, high: 4, step: 0}", "model.depth: step > 0 must hold, but got step=0. (Optuna)"),
+    ("optim.lr: {low: 0.01, high: 0.3, step: 0.5}", "optim.lr: The distribution is specified by [0.01, 0.3] and "
+                                                    "step=0.5, but the range is not divisible by step. It will be "
+                                                    "replaced with [0.01, 0.01]. (Optuna)"),
+    ("optim.lr: {low: 0.01, high: 0.3, log: yes-please}", "optim.lr: log must be true or false"),
 ])
 def test_a_space_that_cannot_be_searched_is_refused_before_any_trial(space_text, expected, tmp_path, capsys):
     path = tmp_path / "bad.yaml"
@@ -83,36 +95,65 @@ def test_a_space_that_cannot_be_searched_is_refused_before_any_trial(space_text,
     assert not (tmp_path / "runs").exists()
 
 
-def test_the_shipped_space_reads_as_four_searched_keys_of_cls_yaml():
+def test_the_shipped_space_reads_as_three_searched_keys_of_cls_yaml():
     space = tune.read_space(ROOT / "spaces" / "cls.yaml", "cls.yaml", [])
-    assert list(space) == ["optim.lr", "optim.weight_decay", "train.label_smoothing", "train.epochs"]
-    assert space["optim.lr"].log and space["train.epochs"].low == 4 and space["train.epochs"].step == 1
+    assert list(space) == ["optim.lr", "optim.weight_decay", "train.label_smoothing"]
+    assert space["optim.lr"].log and not space["train.label_smoothing"].log
 
 
-def test_a_sweep_killed_mid_trial_goes_on_with_the_same_command(space, tmp_path):
+def start_sweep_and_wait_for_a_checkpoint(command, sweep):
+    """tune.py launched with command, once its first trial's run has saved mid-epoch."""
+    sweeper = subprocess.Popen([sys.executable, *command], cwd=ROOT, env=clean_env(), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list((sweep / "trial-0" / "weights").glob("*.pt")):
+        assert sweeper.poll() is None and time.monotonic() < deadline, sweeper.stderr.read()[-3000:]
+        time.sleep(0.2)
+    return sweeper
+
+
+def test_a_sweep_stopped_mid_trial_goes_on_with_the_same_command_resuming_the_trial(space, tmp_path):
     command = sweep_command(space, tmp_path, 2, "train.save_every_steps=5")
     command[command.index("train.epochs=1")] = "train.epochs=6"  # left alone, a trial runs on for seconds
     sweep = tmp_path / "cls-space"
-    sweeper = subprocess.Popen([sys.executable, *command], cwd=ROOT, env=clean_env(), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not list((sweep / "trial-0" / "weights").glob("*.pt")):  # mid-trial: its run has saved
-        assert sweeper.poll() is None and time.monotonic() < deadline
-        time.sleep(0.2)
-    sweeper.send_signal(signal.SIGKILL)
-    sweeper.wait()
-    while running(f"project={sweep}"):  # its trial was told to stop (SIGTERM) when it died, and stops
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
-    assert "SIGTERM: stopping after the current step" in (sweep / "logs" / "trial-0.txt").read_text()
+    sweeper = start_sweep_and_wait_for_a_checkpoint(command, sweep)
+    sweeper.send_signal(signal.SIGTERM)
+    assert sweeper.wait(timeout=60) == 128 + signal.SIGTERM  # as train.py ends on it
+    assert "tune.py: stopped; the same command goes on with the sweep" in sweeper.stderr.read()
+    saved = (sweep / "logs" / "trial-0.txt").read_text()
+    assert "SIGTERM: stopping after the current step" in saved and not running(f"project={sweep}")
     result = run_python(*command)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "trial 0 was cut off" in result.stdout
+    assert "(trial 0 again, resumed from its last.pt)" in result.stdout
     trials = read_trials(sweep)
     assert [t["state"] for t in trials] == ["FAIL", "COMPLETE", "COMPLETE"]
     assert trials[1]["retry_of"] == "0" and trials[1]["optim.lr"] == trials[0]["optim.lr"]  # trial 0 ran again
+    assert "resuming at epoch" in (sweep / "logs" / "trial-1.txt").read_text()  # in trial 0's run, from its last.pt
+    assert not (sweep / "trial-1").exists() and len(tune.epoch_scores(sweep / "trial-0" / "results.csv", "top1")) == 6
     assert trials[2]["optim.lr"] != trials[0]["optim.lr"]  # a new trial draws new keys (its own seed)
-    assert "2 trials" not in result.stdout and "3 trials (2 complete, 1 fail)" in result.stdout
+    assert float(trials[0]["seconds"]) < float(trials[1]["seconds"]) + 60  # the time it ran, not until the retry
+    assert "3 trials (2 complete, 1 fail)" in result.stdout
+
+
+def test_a_dead_workers_trial_is_failed_by_its_heartbeat_and_run_again_by_another_worker(space, tmp_path):
+    """Worker A (its machine's folder runs/a) is killed mid-trial; worker B on the same study (another machine's
+    folder) finds the trial's heartbeat stale, and runs it again: from the start, as its run is not on B's disk."""
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    command = sweep_command(space, tmp_path / "a", 1, "train.save_every_steps=5", "--storage", storage, "--study",
+                            "s", "--heartbeat", "1")
+    command[command.index("train.epochs=1")] = "train.epochs=3"
+    worker = start_sweep_and_wait_for_a_checkpoint(command, tmp_path / "a" / "cls-space")
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    time.sleep(4)  # its heartbeat is more than 3 heartbeats old
+    command[command.index(str(tmp_path / "a"))] = str(tmp_path / "b")
+    result = run_python(*command)
+    assert result.returncode == 0, result.stderr[-3000:]
+    trials = read_trials(tmp_path / "b" / "cls-space")
+    assert [t["state"] for t in trials] == ["FAIL", "COMPLETE"], trials
+    assert trials[1]["retry_of"] == "0" and trials[1]["optim.lr"] == trials[0]["optim.lr"]
+    assert "tune: trial 1: " in result.stdout and "(trial 0 again)" in result.stdout
+    assert (tmp_path / "b" / "cls-space" / "trial-0" / "results.csv").exists()  # its first try's name, on B
 
 
 def running(word):
@@ -126,34 +167,59 @@ def running(word):
     return False
 
 
-def test_failed_trials_are_recorded_with_their_line_and_the_sweep_goes_on(space, tmp_path):
+def test_a_fixed_override_that_train_py_refuses_is_refused_once_before_any_trial(space, tmp_path):
     result = run_python(*sweep_command(space, tmp_path, 2, "data.name=no_such_folder"))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
+    assert result.stderr.startswith("tune.py: error: train.py refuses the sweep's recipe and overrides, so every "
+                                    "trial would fail: train.py: error: data.name 'no_such_folder' is neither a "
+                                    "dataset here"), result.stderr
+    assert "trial 0" not in result.stdout and not list((tmp_path / "cls-space-no_such_folder").glob("trial-*"))
+
+
+def test_failed_trials_are_recorded_with_their_line_and_the_sweep_goes_on(tmp_path):
+    space = tmp_path / "ema.yaml"
+    space.write_text("train.ema_decay: {choices: [0.99]}\n")  # the EMA on, its steps more than a trial has: each fails
+    result = run_python(*sweep_command(space, tmp_path, 2, "train.ema_steps=100000"))
     assert result.returncode == 2
-    trials = read_trials(tmp_path / "cls-space")
+    trials = read_trials(tmp_path / "cls-ema")
     assert [t["state"] for t in trials] == ["FAIL", "FAIL"]  # the second ran after the first failed
-    assert all("data.name 'no_such_folder' is neither a dataset here" in t["error"] for t in trials)
+    assert all(t["error"].startswith("train.py: error: train.ema_steps=100000 is more than the run's 30 steps")
+               for t in trials)
     assert result.stderr.strip().endswith("no trial has finished yet (their output: "
-                                          f"{tmp_path / 'cls-space' / 'logs'})")
+                                          f"{tmp_path / 'cls-ema' / 'logs'})")
 
 
 def test_a_pruned_trial_is_a_run_stopped_early_with_its_checkpoint(tmp_path):
-    """watch reports each epoch's score and, when the pruner says so, stops train.py, which saves and stops."""
-    class Trial:  # the pruner's side, as Optuna's trial offers it: prune once two epochs are reported
-        reports = []
+    """watch reports each epoch's best score so far at every percent of the schedule it covers and, when the pruner
+    says so, stops train.py, which saves and stops."""
+    import optuna
+
+    class Trial:  # the pruner's side, as Optuna's trial offers it: prune once two epochs of 20 are reported
+        reports, study, datetime_start = [], optuna.create_study(), datetime.now()
 
         def report(self, value, step):
             self.reports.append((step, value))
 
         def should_prune(self):
-            return len(self.reports) >= 2
+            return len(self.reports) >= 10
+
+        def set_user_attr(self, key, value):
+            pass
 
     command = [sys.executable, "train.py", "--recipe", "cls.yaml", "train.epochs=20", f"project={tmp_path}", "name=t"]
     process = subprocess.Popen(command, cwd=ROOT, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    assert tune.watch(process, Trial(), tmp_path / "t" / "results.csv", "top1")
+    assert tune.watch(process, Trial(), tmp_path / "t" / "results.csv", "top1", 20)[0] == 2
     assert process.returncode == 128 + signal.SIGTERM, process.stderr.read()[-2000:]
-    assert [step for step, _ in Trial.reports] == [0, 1] and Trial.reports[1][1] > 0.5
-    assert (tmp_path / "t" / "weights" / "last.pt").exists()
-    assert len(tune.epoch_scores(tmp_path / "t" / "results.csv", "top1")) < 20
+    scores = tune.epoch_scores(tmp_path / "t" / "results.csv", "top1")
+    assert Trial.reports == [(step, scores[0]) for step in range(1, 6)] + [(step, max(scores[:2])) for step in
+                                                                           range(6, 11)]
+    assert (tmp_path / "t" / "weights" / "last.pt").exists() and len(scores) < 20
+
+
+def test_trials_of_different_schedules_are_compared_at_the_same_fraction_of_them():
+    assert [tune.percent_done(e, 4) for e in range(5)] == [0, 25, 50, 75, 100]
+    assert [tune.percent_done(e, 10) for e in (1, 3, 10)] == [10, 30, 100]
+    assert tune.percent_done(1, 3) == 33 and tune.percent_done(2, 3) == 66
 
 
 def test_nproc_runs_each_trial_under_torchrun(tmp_path):
@@ -183,9 +249,8 @@ def test_a_crash_without_an_error_line_is_recorded_by_its_exception_not_torchrun
                    "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n" + "=" * 60 +
                    "\ntrain.py FAILED\n" + "-" * 60 + "\nRoot Cause (first observed failure):\n[0]:\n"
                    "  traceback : Traceback (most recent call last):\n    RuntimeError: boom\n" + "=" * 60 + "\n")
-    assert tune.failure_line(log) == "RuntimeError: boom"
-    log.write_text("")
-    assert tune.failure_line(log) == "no output"
+    assert tune.failure_line(log.read_text()) == "RuntimeError: boom"
+    assert tune.failure_line("") == "no output"
 
 
 def test_scores_stop_at_a_row_the_run_is_still_writing(tmp_path):
@@ -196,30 +261,42 @@ def test_scores_stop_at_a_row_the_run_is_still_writing(tmp_path):
     assert tune.epoch_scores(results, "top1") == [0.8]
 
 
-def test_a_cut_off_trial_is_asked_again_once_and_an_unclaimed_one_too(tmp_path):
-    import optuna
-
-    study = tune.open_study(f"sqlite:///{tmp_path / 'study.db'}", "s", create=True)
-    trial = study.ask({"optim.lr": optuna.distributions.FloatDistribution(0.01, 0.1)})
-    assert tune.cut_off(study, trial.number, trial.params)
-    assert not tune.cut_off(study, trial.number, trial.params)  # a second worker finds it done
-    waiting = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
-    assert len(waiting) == 1 and waiting[0].user_attrs == {"retry_of": 0}
-    unclaimed = study.ask({"optim.lr": optuna.distributions.FloatDistribution(0.01, 0.1)})  # the retry, no worker
-    tune.retry_dead_trials(study, unclaimed_after=0)
-    states = {t.number: t.state.name for t in study.get_trials()}
-    assert states == {0: "FAIL", 1: "FAIL", 2: "WAITING"} and unclaimed.number == 1
-
-
-def test_each_trial_draws_from_its_own_seed(tmp_path):
-    """The same seed draws the same keys for the same trial number, in another study too; trials differ."""
+def drawn_keys(path, seed, trials=14):
+    """The keys a sweep of spaces/cls.yaml with this seed draws for its trials, scored by a fixed function."""
     space = tune.read_space(ROOT / "spaces" / "cls.yaml", "cls.yaml", [])
-    drawn = []
-    for k, seed in enumerate((0, 0, 1)):
-        study = tune.open_study(f"sqlite:///{tmp_path / f'study{k}.db'}", "s", create=True)
-        drawn.append([tune.ask(study, space, seed).params for _ in range(3)])
-    assert drawn[0] == drawn[1]
-    assert len({tuple(p.values()) for p in drawn[0]}) == 3 and drawn[2] != drawn[0]
+    study, drawn = tune.open_study(f"sqlite:///{path}", "s", create=True, prune=False), []
+    study.optimize(lambda trial: drawn.append(tune.draw(trial, space, seed)) or -abs(drawn[-1]["optim.lr"] - 0.1),
+                   n_trials=trials)
+    return [tuple(keys.values()) for keys in drawn]
+
+
+def test_the_same_seed_draws_the_same_keys_and_two_seeds_never_the_same(tmp_path):
+    """Across TPE's random start-up trials and its model's: seed 1's trials are none of seed 0's (with seed + trial
+    number, seed 1's trial 0 was seed 0's trial 1)."""
+    zero, again, one = (drawn_keys(tmp_path / f"{k}.db", seed) for k, seed in enumerate((0, 0, 1)))
+    assert zero == again and len(set(zero)) == len(zero)
+    assert not set(zero) & set(one)
+
+
+def test_a_sweep_goes_on_after_changes_that_keep_its_meaning_and_not_after_others(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    space = tmp_path / "space.yaml"
+    space.write_text(SPACE)
+
+    def claim(recipe, *overrides):
+        return tune.claim_sweep(tune.parse_args(["--recipe", recipe, "--space", str(space), "--project",
+                                                 str(tmp_path), *overrides]))
+
+    sweep, first = claim("cls.yaml", "train.epochs=1")
+    space.write_text("# a comment\n" + SPACE.replace("low: 0.02, high: 0.2", "high: 0.2, low: 0.02"))
+    assert claim("recipes/cls.yaml", "train.epochs=1") == (sweep, first)  # the same recipe, the same space
+    assert claim(str(ROOT / "recipes" / "cls.yaml"), "train.epochs=1", "--name", "cls-space")[0] == sweep
+    with pytest.raises(tune.UsageError, match="holds a sweep of another command \\(its recipe \\(with the "
+                                              "overrides\\) differ\\)"):
+        claim("cls.yaml", "train.epochs=2")
+    space.write_text(SPACE.replace("0.2,", "0.3,"))
+    with pytest.raises(tune.UsageError, match="\\(its space differ\\)"):
+        claim("cls.yaml", "train.epochs=1")
 
 
 def test_workers_starting_together_both_open_the_new_study(tmp_path):
