@@ -22,6 +22,7 @@ last.pt where its run is here). The same command run again goes on with the swee
 
 import argparse
 import csv
+import json
 import math
 import os
 import shutil
@@ -30,6 +31,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from contextlib import contextmanager, suppress
@@ -126,7 +128,7 @@ def main(argv=None):
             check_recipe(settings)
             study = open_study(storage_of(sweep, args.storage, settings), settings["study"], create=True,
                                prune=not args.no_prune, heartbeat=args.heartbeat)
-            run_sweep(study, space, sweep, settings, args.trials, args.seed)
+            run_sweep(study, space, sweep, settings, args.trials, args.seed, args.heartbeat)
         report(study, sweep, settings)
     except UsageError as e:
         print(f"tune.py: error: {e}", file=sys.stderr)
@@ -297,13 +299,13 @@ def open_study(url, name, create=False, prune=True, heartbeat=10, tries=5):
             time.sleep(0.2 * (attempt + 1))
 
 
-def run_sweep(study, space, sweep, settings, trials, seed=0):
+def run_sweep(study, space, sweep, settings, trials, seed=0, heartbeat=10):
     """Optuna's optimize loop until `trials` trials finished or were pruned, or as many failed (a failure of the
     sweep's own); a trial stopped or cut off is not counted, and runs again."""
     ends = (COUNTED, (TrialState.FAIL,))
     if any(len(study.get_trials(deepcopy=False, states=states)) >= trials for states in ends):
         return  # done already: optimize would run one more trial before its callbacks
-    study.optimize(lambda trial: run_trial(trial, space, sweep, settings, seed), catch=(TrialFailed,),
+    study.optimize(lambda trial: run_trial(trial, space, sweep, settings, seed, heartbeat), catch=(TrialFailed,),
                    callbacks=[MaxTrialsCallback(trials, states=states) for states in ends])
 
 
@@ -319,7 +321,7 @@ def seeded_sampler(seed, number):
     return optuna.samplers.TPESampler(seed=entropy, constant_liar=True)
 
 
-def run_trial(trial, space, sweep, settings, seed):
+def run_trial(trial, space, sweep, settings, seed, heartbeat):
     """Optuna's objective: run the trial's training; returns its best val score, or raises TrialPruned, TrialFailed,
     or a stop (the trial is then run again, resumed)."""
     params = draw(trial, space, seed)
@@ -328,29 +330,19 @@ def run_trial(trial, space, sweep, settings, seed):
     trial.set_user_attr("run", run.name)
     trial.set_user_attr("host", HOST)
     log, epochs = sweep / "logs" / f"trial-{trial.number}.txt", trial_epochs(settings, params)
-    if retried is not None and (run / "weights" / "last.pt").exists():
-        arguments, started = ["--resume", str(run)], "resumed from its last.pt"
-    else:
-        if run.exists() and retried is None:
-            raise UsageError(f"{run} exists, but the study does not know it: the study was replaced; give another "
-                             f"--name")
-        shutil.rmtree(run, ignore_errors=True)  # a try cut off before it saved anything
-        overrides = [*settings["overrides"], *(f"{k}={as_override(v)}" for k, v in params.items())]
-        arguments, started = ["--recipe", settings["recipe"], *overrides, f"project={sweep}", f"name={run.name}"], ""
-    print(f"{colorstr('tune:')} trial {trial.number}: {shown(params)}"
-          f"{f' (trial {retried} again' + (', ' + started if started else '') + ')' if retried is not None else ''}",
-          flush=True)
-    start = time.time()
+    arguments, started = trial_arguments(settings, run, params, retried)
+    again = "" if retried is None else f" (trial {retried} again{started})"
+    print(f"{colorstr('tune:')} trial {trial.number}: {shown(params)}{again}", flush=True)
     try:
         with open(log, "a") as out, child_process(train_command(settings, arguments), out) as process:
-            pruned = watch(process, trial, run / "results.csv", settings["metric"], epochs)
+            pruned = watch(process, trial, run / "results.csv", settings["metric"], epochs, heartbeat)
     except KeyboardInterrupt:
         with suppress(Exception):  # asked again, to resume from its last.pt, by whichever worker goes on
             RETRY(trial.study, study_trial(trial))
         raise
     finally:
         with suppress(Exception):
-            trial.set_user_attr("seconds", round(time.time() - start, 1))
+            record_seconds(trial)
     scores, metric = epoch_scores(run / "results.csv", settings["metric"]), settings["metric"]
     if pruned:
         epoch, median = pruned
@@ -368,6 +360,24 @@ def run_trial(trial, space, sweep, settings, seed):
         raise TrialFailed(line)
     print(f"  val {metric} {max(scores):.2%} (best of {len(scores)} epochs); {short_path(run)}")
     return max(scores)
+
+
+def trial_arguments(settings, run, params, retried):
+    """train.py's arguments for a trial, and how it starts in words: a retried trial whose first try saved last.pt
+    here resumes it; any other starts its run afresh, the recipe with the sweep's overrides and the trial's keys."""
+    if retried is not None and (run / "weights" / "last.pt").exists():
+        return ["--resume", str(run)], ", resumed from its last.pt"
+    if run.exists() and retried is None:
+        raise UsageError(f"{run} exists, but the study does not know it: the study was replaced; give another --name")
+    shutil.rmtree(run, ignore_errors=True)  # a first try cut off before it saved anything
+    overrides = [*settings["overrides"], *(f"{k}={as_override(v)}" for k, v in params.items())]
+    return ["--recipe", settings["recipe"], *overrides, f"project={run.parent}", f"name={run.name}"], ""
+
+
+def record_seconds(trial):
+    """The seconds the trial has run, kept in the study with each heartbeat and at its end: a trial cut off shows the
+    time it ran, not the time until a worker found it dead."""
+    trial.set_user_attr("seconds", round(time.time() - trial.datetime_start.timestamp(), 1))
 
 
 def draw(trial, space, seed):
@@ -420,19 +430,21 @@ def percent_done(epoch, epochs):
     return math.floor(100 * epoch / epochs)
 
 
-def watch(process, trial, results, metric, epochs):
+def watch(process, trial, results, metric, epochs, heartbeat=10):
     """Report each epoch's best score so far to the trial, at every percent of the schedule it covers, and print it;
     stop the run (SIGTERM: train.py saves and stops) if the pruner says so. Returns (epochs done, the median they
     trailed) when it was pruned, else None."""
-    reported, best = 0, sweep_best(trial.study)
+    reported, best, recorded = 0, sweep_best(trial.study), time.monotonic()
     while True:
         ended = process.poll() is not None
+        if time.monotonic() - recorded >= heartbeat:
+            record_seconds(trial)
+            recorded = time.monotonic()
         scores = epoch_scores(results, metric)
         for epoch in range(reported, len(scores)):
             so_far = max(scores[:epoch + 1])
             for step in range(percent_done(epoch, epochs) + 1, percent_done(epoch + 1, epochs) + 1):
                 trial.report(so_far, step)
-            trial.set_user_attr("seconds", round(time.time() - trial.datetime_start.timestamp(), 1))
             print(f"  epoch {epoch + 1}/{epochs}: val {metric} {scores[epoch]:.2%} (trial best {so_far:.2%}"
                   f"{f', sweep best {best:.2%}' if best is not None else ''})", flush=True)
             if not ended and epoch + 1 < epochs and trial.should_prune():
@@ -509,7 +521,25 @@ def report(study, sweep, settings):
         raise UsageError(f"{sweep}: no trial has finished yet (their output: {short_path(sweep / 'logs')})")
     write_best(sweep / "best.yaml", done[0], settings)
     plots(study, sweep)
+    if held_out := held_out_score(sweep, done[0], settings):
+        print(f"  trial {done[0].number:3d}  {held_out[1]:.2%}  on {held_out[0]}, which chose nothing (held out)")
     print(f"best: python train.py --recipe {short_path(sweep / 'best.yaml')}")
+
+
+def held_out_score(sweep, trial, settings):
+    """The best trial's weights scored by val.py on the data's test split, which the sweep never saw: (split folder,
+    score), or None where the data has no test/ beside its val/ or valid/ (or the weights are on another machine)."""
+    root, metric = Path(settings.get("resolved", {}).get("data", {}).get("name", "")), settings["metric"]
+    weights = sweep / trial.user_attrs.get("run", f"trial-{trial.number}") / "weights" / "best.pt"
+    if not (weights.exists() and (root / "test").is_dir() and any((root / n).is_dir() for n in ("val", "valid"))):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        result = subprocess.run([sys.executable, str(ROOT / "val.py"), "--weights", str(weights), "--split", "test",
+                                 "--project", tmp, "--name", "test"], capture_output=True, text=True)
+        if result.returncode != 0:
+            print(f"  the test split was not scored: {failure_line(result.stdout + result.stderr)}")
+            return None
+        return root / "test", json.loads((Path(tmp) / "test" / "metrics.json").read_text())[metric]
 
 
 def shown(params):

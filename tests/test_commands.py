@@ -46,6 +46,7 @@ RUN = [
     "data.std=[0.229,0.224,0.225]",
     "python train.py --recipe folder.yaml data.name=path/to/your/data",
     "python train.py --recipe folder.yaml data.name=path/to/data",
+    "python train.py --recipe folder.yaml data.name=path/to/data --check",
     "torchrun --nproc_per_node=2 train.py --recipe folder.yaml data.name=path/to/my_data",
     "python train.py --recipe folder.yaml data.name=path/to/your/data model.weights='' optim.lr=0.002 "
     "train.epochs=40 train.patience=10 sched.warmup_epochs=2",
@@ -97,11 +98,13 @@ NOT_RUN = {
     "python benchmarks/finetune.py --multilabel": BENCHMARK,
     "python benchmarks/sweep.py": BENCHMARK,
     "python tune.py --recipe cls.yaml --space spaces/cls.yaml --trials 20":
-        "20 trials of training: tests/test_tune.py runs sweeps of this recipe of 2 to 4 one-epoch trials, and reads "
+        "20 trials of training: tests/test_tune.py runs sweeps of this recipe of 1 to 4 one-epoch trials, and reads "
         "spaces/cls.yaml as this command does",
     "python tune.py --recipe cls.yaml --space spaces/cls.yaml --trials 40 --storage "
     "postgresql://user:password@host/optuna --study cls": "needs a PostgreSQL server (tests/test_tune.py shares one "
                                                          "SQLite study between two tune.py)",
+    "python tune.py --recipe cls.yaml --space spaces/cls.yaml --trials 3 train.epochs=3":
+        "3 trials of training: tests/test_tune.py runs sweeps of this recipe of 1 to 4 one-epoch trials",
     "python train.py --recipe runs/tune/cls-cls/best.yaml": SWEEP,
     "python tune.py --report runs/tune/cls-cls": SWEEP,
     "python train.py --resume runs/tune/cls-cls/trial-K": SWEEP,

@@ -243,6 +243,18 @@ def test_missing_dataset_exits_with_a_clear_error(tmp_path, capsys):
     assert "is neither a dataset here (digits, multidigits, cifar10, cifar100) nor a directory" in error
 
 
+def test_check_builds_the_data_and_model_then_exits_writing_no_run(tmp_path, caplog):
+    caplog.set_level("INFO")
+    assert train.main(["--recipe", "cls.yaml", "--check", f"project={tmp_path / 'runs'}"]) == -1.0
+    assert "--check: the recipe, data and model are ready to train; nothing written" in caplog.text
+    assert "1437 train / 360 val images" in caplog.text and not (tmp_path / "runs").exists()
+
+
+def test_check_refuses_as_a_run_would(tmp_path, capsys):
+    error = fails(["--recipe", "cls.yaml", "--check", "model.name=squeezenet1_1", f"project={tmp_path}"], capsys)
+    assert "model.name='squeezenet1_1' cannot take 8x8 images" in error
+
+
 def test_model_that_cannot_take_the_image_size_fails_before_the_run_dir(tmp_path, capsys):
     error = fails(["--recipe", "cls.yaml", "model.name=squeezenet1_1", f"project={tmp_path / 'runs'}"], capsys)
     assert "model.name='squeezenet1_1' cannot take 8x8 images (data.img_size=8): Given input size" in error

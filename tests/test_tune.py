@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 import tune
-from conftest import ROOT, clean_env, run_python
+from conftest import ROOT, clean_env, make_image_folder, run_python
 
 SPACE = "optim.lr: {low: 0.02, high: 0.2, log: true}\ntrain.label_smoothing: {choices: [0.0, 0.1]}\n"
 FIXED = ["train.epochs=1", "model.width=8"]
@@ -142,9 +142,12 @@ def test_a_dead_workers_trial_is_failed_by_its_heartbeat_and_run_again_by_anothe
     command = sweep_command(space, tmp_path / "a", 1, "train.save_every_steps=5", "--storage", storage, "--study",
                             "s", "--heartbeat", "1")
     command[command.index("train.epochs=1")] = "train.epochs=3"
+    started = time.time()
     worker = start_sweep_and_wait_for_a_checkpoint(command, tmp_path / "a" / "cls-space")
+    time.sleep(1.5)  # a heartbeat after the checkpoint
     worker.send_signal(signal.SIGKILL)
     worker.wait()
+    killed = time.time()
     time.sleep(4)  # its heartbeat is more than 3 heartbeats old
     command[command.index(str(tmp_path / "a"))] = str(tmp_path / "b")
     result = run_python(*command)
@@ -154,6 +157,7 @@ def test_a_dead_workers_trial_is_failed_by_its_heartbeat_and_run_again_by_anothe
     assert trials[1]["retry_of"] == "0" and trials[1]["optim.lr"] == trials[0]["optim.lr"]
     assert "tune: trial 1: " in result.stdout and "(trial 0 again)" in result.stdout
     assert (tmp_path / "b" / "cls-space" / "trial-0" / "results.csv").exists()  # its first try's name, on B
+    assert 0 < float(trials[0]["seconds"]) < killed - started  # the time it ran, not until B found it dead
 
 
 def running(word):
@@ -229,6 +233,19 @@ def test_nproc_runs_each_trial_under_torchrun(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert [t["state"] for t in read_trials(tmp_path / "cls-lr")] == ["COMPLETE"]
     assert "train: 2 process(es) on cpu" in (tmp_path / "cls-lr" / "logs" / "trial-0.txt").read_text()
+
+
+def test_the_best_trial_is_scored_on_a_test_split_that_chose_nothing_and_the_sweep_is_named_after_its_data(tmp_path):
+    data = make_image_folder(tmp_path / "shapes", {split: {"a": n, "b": n} for split, n in
+                                                   (("train", 12), ("val", 4), ("test", 5))})
+    space = tmp_path / "lr.yaml"
+    space.write_text("optim.lr: {low: 0.02, high: 0.2, log: true}\n")
+    result = run_python(*sweep_command(space, tmp_path, 1, f"data.name={data}", "data.img_size=12"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    held_out = [line for line in result.stdout.splitlines() if line.endswith("which chose nothing (held out)")]
+    assert held_out == [f"  trial   0  {held_out[0].split()[2]}  on {data / 'test'}, which chose nothing (held out)"]
+    assert round(float(held_out[0].split()[2].rstrip("%")) * 10) % 100 == 0  # right of 10 test images, in tenths
+    assert (tmp_path / "cls-lr-shapes" / "best.yaml").exists()
 
 
 def test_a_trial_that_fails_under_torchrun_is_recorded_with_the_ranks_error_line(tmp_path):
