@@ -220,6 +220,31 @@ def test_a_pruned_trial_is_a_run_stopped_early_with_its_checkpoint(tmp_path):
     assert (tmp_path / "t" / "weights" / "last.pt").exists() and len(scores) < 20
 
 
+def test_a_pruned_trials_log_ends_with_the_line_that_says_where_and_why(tmp_path, monkeypatch):
+    """run_trial around a run the pruner stopped after its first epoch of 4 (its train.py stood in for)."""
+    import optuna
+
+    sweep = tmp_path / "sweep"
+    (sweep / "logs").mkdir(parents=True)
+    settings = {"recipe": "cls.yaml", "overrides": ["train.epochs=4"], "nproc": 1, "metric": "top1"}
+    monkeypatch.setattr(tune, "train_command", lambda settings, arguments: [
+        sys.executable, "-c", f"import os; os.makedirs({str(sweep / 'trial-0')!r}); open({str(sweep / 'trial-0')!r} + "
+                              f"'/results.csv', 'w').write('epoch,val/top1\\n1,0.5\\n')"])
+
+    def pruned_after_its_first_epoch(process, *_):  # below a median of 75%
+        process.wait()
+        return 1, 0.75
+
+    monkeypatch.setattr(tune, "watch", pruned_after_its_first_epoch)
+    study = tune.open_study(f"sqlite:///{tmp_path / 'study.db'}", "s", create=True)
+    space = tune.read_space(ROOT / "spaces" / "cls.yaml", "cls.yaml", [])
+    with pytest.raises(optuna.TrialPruned):
+        tune.run_trial(study.ask(), space, sweep, settings, 0, 10)
+    assert (sweep / "logs" / "trial-0.txt").read_text().splitlines()[-1] == (
+        "tune.py: trial 0 pruned after epoch 1/4: val top1 50.00% at 25% of its schedule, below the finished "
+        "trials' median there (75.00%)")
+
+
 def test_trials_of_different_schedules_are_compared_at_the_same_fraction_of_them():
     assert [tune.percent_done(e, 4) for e in range(5)] == [0, 25, 50, 75, 100]
     assert [tune.percent_done(e, 10) for e in (1, 3, 10)] == [10, 30, 100]
