@@ -59,7 +59,7 @@ from utils.once import atomic_write
 ROOT = Path(__file__).resolve().parent
 HOST = socket.gethostname()
 RANGE_KEYS, CHOICE_KEYS = {"low", "high", "log", "step"}, {"choices"}
-COUNTED = (TrialState.COMPLETE, TrialState.PRUNED)  # the trials --trials counts: those that gave a verdict
+VERDICTS = (TrialState.COMPLETE, TrialState.PRUNED)  # the trials --trials counts: those that gave a verdict
 with warnings.catch_warnings():  # experimental in Optuna since 2.8
     warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
     RETRY = RetryHeartbeatStaleTrialCallback(max_retry=3)  # a trial cut off (its worker died, or stopped) runs again
@@ -301,8 +301,8 @@ def open_study(url, name, create=False, prune=True, heartbeat=10, tries=5):
 
 def run_sweep(study, space, sweep, settings, trials, seed=0, heartbeat=10):
     """Optuna's optimize loop until `trials` trials finished or were pruned, or as many failed (a failure of the
-    sweep's own); a trial stopped or cut off is not counted, and runs again."""
-    ends = (COUNTED, (TrialState.FAIL,))
+    sweep's own); a trial stopped or cut off is left out of the count, and runs again."""
+    ends = (VERDICTS, (TrialState.FAIL,))
     if any(len(study.get_trials(deepcopy=False, states=states)) >= trials for states in ends):
         return  # done already: optimize would run one more trial before its callbacks
     study.optimize(lambda trial: run_trial(trial, space, sweep, settings, seed, heartbeat), catch=(TrialFailed,),
