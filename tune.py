@@ -322,8 +322,21 @@ def seeded_sampler(seed, number):
 
 
 def run_trial(trial, space, sweep, settings, seed, heartbeat):
-    """Optuna's objective: run the trial's training; returns its best val score, or raises TrialPruned, TrialFailed,
-    or a stop (the trial is then run again, resumed)."""
+    """Optuna's objective: train the trial (train_trial). A trial stopped (Ctrl-C, SIGTERM) is asked again at once,
+    to be resumed from its last.pt by whichever worker goes on; its seconds are kept however it ends."""
+    try:
+        return train_trial(trial, space, sweep, settings, seed, heartbeat)
+    except KeyboardInterrupt:
+        with suppress(Exception):
+            RETRY(trial.study, study_trial(trial))
+        raise
+    finally:
+        with suppress(Exception):
+            record_seconds(trial)
+
+
+def train_trial(trial, space, sweep, settings, seed, heartbeat):
+    """Run the trial's training; returns its best val score, or raises TrialPruned or TrialFailed."""
     params = draw(trial, space, seed)
     retried = RETRY.retried_trial_number(study_trial(trial))
     run = sweep / trial.user_attrs.get("run", f"trial-{trial.number}")  # a retry's: its first try's
@@ -333,16 +346,8 @@ def run_trial(trial, space, sweep, settings, seed, heartbeat):
     arguments, started = trial_arguments(settings, run, params, retried)
     again = "" if retried is None else f" (trial {retried} again{started})"
     print(f"{colorstr('tune:')} trial {trial.number}: {shown(params)}{again}", flush=True)
-    try:
-        with open(log, "a") as out, child_process(train_command(settings, arguments), out) as process:
-            pruned = watch(process, trial, run / "results.csv", settings["metric"], epochs, heartbeat)
-    except KeyboardInterrupt:
-        with suppress(Exception):  # asked again, to resume from its last.pt, by whichever worker goes on
-            RETRY(trial.study, study_trial(trial))
-        raise
-    finally:
-        with suppress(Exception):
-            record_seconds(trial)
+    with open(log, "a") as out, child_process(train_command(settings, arguments), out) as process:
+        pruned = watch(process, trial, run / "results.csv", settings["metric"], epochs, heartbeat)
     scores, metric = epoch_scores(run / "results.csv", settings["metric"]), settings["metric"]
     if pruned:
         epoch, median = pruned
