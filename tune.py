@@ -114,7 +114,7 @@ def stop(signum, frame):
 def main(argv=None):
     """Run or report a sweep; bad input exits with code 2 and one line, a stop signal with 128 + its number."""
     args = parse_args(argv)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # tune.py says what became of each trial, in a line
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     previous = signal.signal(signal.SIGTERM, stop)
     try:
@@ -249,6 +249,7 @@ def check_recipe(settings):
     refuse before any work (a data set that is not there, a batch the processes cannot share) is refused once, here,
     not by every trial."""
     command = train_command(settings, ["--recipe", settings["recipe"], *settings["overrides"], "--check"])
+    print(f"{colorstr('tune:')} checking the recipe with the sweep's overrides (train.py --check)", flush=True)
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise UsageError(f"train.py refuses the sweep's recipe and overrides, so every trial would fail: "
@@ -518,7 +519,8 @@ def report(study, sweep, settings):
     write_trials_csv(sweep / "trials.csv", trials)
     done = sorted((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: -t.value)
     states = {s.name.lower(): sum(t.state == s for t in trials) for s in TrialState if any(t.state == s for t in trials)}
-    print(f"{colorstr('tune:')} {len(trials)} trials ({', '.join(f'{n} {s}' for s, n in states.items())}); "
+    print(f"{colorstr('tune:')} {len(trials)} trial{'s' * (len(trials) != 1)} ("
+          f"{', '.join(f'{n} {s}' for s, n in states.items())}); "
           f"val {settings['metric']}, best first (chosen on the val images these figures are measured on):")
     for t in done[:5]:
         print(f"  trial {t.number:3d}  {t.value:.2%}  {shown(t.params)}")

@@ -191,6 +191,7 @@ def test_failed_trials_are_recorded_with_their_line_and_the_sweep_goes_on(tmp_pa
                for t in trials)
     assert result.stderr.strip().endswith("no trial has finished yet (their output: "
                                           f"{tmp_path / 'cls-ema' / 'logs'})")
+    assert len(result.stderr.strip().splitlines()) == 1  # each failure said in its line, not Optuna's traceback
 
 
 def test_a_pruned_trial_is_a_run_stopped_early_with_its_checkpoint(tmp_path):
