@@ -7,7 +7,8 @@ and auto, and with data.cache=ram (decoded once, cropped per batch); threads and
 splits them. Per epoch it sums the time from the end of one step to the moment the next batch is on the device
 and cropped (wait) and the whole epoch (with no workers, loading happens in the wait); each setting runs --rounds
 epochs after a warm-up epoch, medians reported, and the epoch time is given relative to per-sample decoding with
-no workers. It also times decoding the JPEGs with PIL (as the loader does) against torchvision.io.decode_image.
+no workers. It also times decoding the JPEGs with PIL (as the loader does), TorchCodec (as the JPEG cache and shards
+do) and torchvision.io, and, on 500x375 photos, those and PIL's reduced-scale decode.
 
 Then the input paths alone (no model): the JPEGs' training images delivered as cropped 64 px batches per second by
 train.py's loader (data.workers=auto) from per-image files (data.cache=none), the JPEG cache (data.cache=jpeg),
@@ -17,6 +18,7 @@ http.server in another process, kept in the node cache after the first epoch, an
 alternating, medians printed as ratios to data.cache=jpeg; the HTTP line's warm-up epoch (the download) too.
 
     python benchmarks/data.py [--rounds 3] [--jpegs 2000] [--shard-size 256KB]
+    python benchmarks/data.py --only-decode     # JPEG decoders alone, on 500x375 photos
 """
 
 import argparse
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +37,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from data.cache import batch_to  # noqa: E402
+from data.cache import batch_to, decode_jpegs  # noqa: E402
 from data.shards import main as write_shards  # noqa: E402
 from data.datasets import build_dataloader, input_feed, set_epoch, training_datasets  # noqa: E402
 from data.transforms import crop_spec, normalizer  # noqa: E402
@@ -93,19 +96,58 @@ def cfg_with(overrides, cache, workers):
 
 
 def decode_rates(folder, limit=500):
-    """Microseconds per image to decode JPEGs with PIL and with torchvision.io (alternated, medians of 3)."""
-    from torchvision.io import ImageReadMode, decode_image, read_file
+    """Microseconds per image to decode JPEGs: PIL (as the per-image loader does), TorchCodec one image a call and
+    the whole list in one call (decode_jpegs, as the JPEG cache and shards do), and torchvision.io's decode_jpeg,
+    which TorchCodec replaced (deprecated since torchvision 0.29; kept here as the baseline). Sides alternated,
+    medians of 3."""
+    from torchvision.io import ImageReadMode, decode_jpeg
 
     paths = sorted(folder.rglob("*.jpg"))[:limit]
-    sides = {"PIL": lambda p: decode(p), "torchvision.io": lambda p: decode_image(read_file(str(p)),
-                                                                                 mode=ImageReadMode.RGB)}
+    blobs = [torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8) for path in paths]
+    cpu = torch.device("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        exact = [decode_jpeg(blob, mode=ImageReadMode.RGB) for blob in blobs]
+    assert all(torch.equal(a, b) for a, b in zip(exact, decode_jpegs(blobs, cpu))), "TorchCodec's pixels differ"
+    sides = {"PIL": lambda: [decode(path) for path in paths],
+             "TorchCodec": lambda: [decode_jpegs([blob], cpu) for blob in blobs],
+             "TorchCodec, one call": lambda: decode_jpegs(blobs, cpu),
+             "torchvision.io": lambda: [decode_jpeg(blob, mode=ImageReadMode.RGB) for blob in blobs]}
+    return alternated(sides, len(paths))
+
+
+def reduced_decode_rates(folder, limit=300):
+    """Microseconds per image to decode JPEGs whole and at 1/2 and 1/4 of their size by libjpeg-turbo's DCT scaling
+    (PIL's Image.draft, which TorchCodec's and torchvision's decoders do not offer), and how far the reduced decode,
+    resized to 176 px, lies from the whole decode resized to 176 px (mean and largest difference, in grey levels)."""
+    paths = sorted(folder.rglob("*.jpg"))[:limit]
+
+    def decoded(path, scale):
+        with Image.open(path) as image:
+            if scale > 1:
+                image.draft("RGB", (image.width // scale, image.height // scale))
+            return image.convert("RGB")
+
+    sides = {f"1/{scale}" if scale > 1 else "whole": (lambda s=scale: [decoded(p, s) for p in paths])
+             for scale in (1, 2, 4)}
+    rates = alternated(sides, len(paths))
+    apart = {name: [] for name in sides}
+    for path in paths[:50]:
+        exact = np.asarray(decoded(path, 1).resize((176, 176), Image.BILINEAR, reducing_gap=None), dtype=np.int16)
+        for name, scale in zip(sides, (1, 2, 4)):
+            reduced = np.asarray(decoded(path, scale).resize((176, 176), Image.BILINEAR), dtype=np.int16)
+            apart[name].append(np.abs(reduced - exact))
+    return rates, {name: (float(np.mean(a)), int(np.max(a))) for name, a in apart.items()}
+
+
+def alternated(sides, count):
+    """Microseconds per item of each side's work on count items: sides alternated, medians of 3 rounds."""
     times = {name: [] for name in sides}
     for round_ in range(3):
         for name in list(sides)[:: 1 if round_ % 2 == 0 else -1]:
             start = time.perf_counter()
-            for path in paths:
-                sides[name](path)
-            times[name].append((time.perf_counter() - start) / len(paths) * 1e6)
+            sides[name]()
+            times[name].append((time.perf_counter() - start) / count * 1e6)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -181,7 +223,10 @@ def main():
     parser.add_argument("--shard-size", default="256KB", help="python -m data.shards --shard-size (the set is "
                                                               "about 4 KB an image)")
     parser.add_argument("--only-inputs", action="store_true", help="the input paths alone")
+    parser.add_argument("--only-decode", action="store_true", help="JPEG decoding alone, on 500x375 photos")
     args = parser.parse_args()
+    if args.only_decode:
+        return print_decode_rates()
     with tempfile.TemporaryDirectory() as tmp:
         jpegs = write_jpegs(Path(tmp) / "jpegs", args.jpegs)
         if args.only_inputs:
@@ -205,6 +250,22 @@ def main():
         rates = decode_rates(jpegs)
         print("decode, us per JPEG: " + ", ".join(f"{name} {us:.0f}" for name, us in rates.items()))
         print_input_rates(*input_rates(jpegs, Path(tmp), args))
+    print_decode_rates()
+
+
+def print_decode_rates(count=300):
+    """decode_rates and reduced_decode_rates on count 500x375 photo-like JPEGs (benchmarks/gpu.py's)."""
+    from gpu import write_photos
+
+    with tempfile.TemporaryDirectory() as tmp:
+        photos = write_photos(Path(tmp), count)
+        rates = decode_rates(photos, count)
+        print(f"decode of {count} 500x375 JPEGs, us per image, one process: " +
+              ", ".join(f"{name} {us:.0f}" for name, us in rates.items()) + " (TorchCodec's pixels = torchvision's)")
+        rates, apart = reduced_decode_rates(photos, count)
+        print("  PIL with DCT scaling (Image.draft), us per image: " + ", ".join(
+            f"{name} {us:.0f} (resized to 176 px: {apart[name][0]:.2f} grey levels from the whole decode's on "
+            f"average, at most {apart[name][1]})" for name, us in rates.items()))
 
 
 if __name__ == "__main__":

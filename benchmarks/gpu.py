@@ -8,7 +8,7 @@ of whole training steps for
 
   (a) synthetic: one batch already on the GPU, the compute limit;
   (b) per image: PIL decodes and crops each JPEG in the DataLoader workers (data.cache=none);
-  (c) JPEG cache decoded in the workers by torchvision.io.decode_jpeg (data.cache=jpeg data.jpeg_decode=cpu);
+  (c) JPEG cache decoded in the workers by TorchCodec's decode_jpeg (data.cache=jpeg data.jpeg_decode=cpu);
   (d) JPEG cache decoded on the GPU by nvJPEG, a batch per call (data.cache=jpeg data.jpeg_decode=device);
   (e) the same photos as WebDataset shards (python -m data.shards), decoded in the workers;
   (f) those shards decoded on the GPU by nvJPEG;
@@ -43,7 +43,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from data.cache import batch_to, device_batches  # noqa: E402
+from data.cache import batch_to, decode_jpegs, device_batches  # noqa: E402
 from data.shards import main as write_shards  # noqa: E402
 from data.datasets import build_dataloader, input_feed, set_epoch, training_datasets  # noqa: E402
 from data.sampler import sample_seed  # noqa: E402
@@ -213,7 +213,6 @@ def stages(root, args, device):
     """What a batch of the JPEG cache decoded on the device costs, stage by stage, each alone and synchronised: the
     loader's hand-over, the copy and nvJPEG decode, the crop's padded batch, its weights and products, the step."""
     from data.transforms import resize_weights
-    from torchvision.io import ImageReadMode, decode_jpeg
     cfg = recipe(root, args.batch, PATHS["(d) JPEG cache, decoded on the device"])
     loader, workers = loader_of(cfg, device)
     feed, spec, step = epochs(loader), crop_spec(cfg.data), trainer(cfg, device)
@@ -230,8 +229,7 @@ def stages(root, args, device):
         batch = timed("loader hand-over (next batch, %d workers)" % workers, lambda: next(feed))
         (flat, lengths), targets, params, scales = batch
         blobs = list(flat.split(lengths.tolist()))
-        images = timed("nvJPEG decode_jpeg, the whole batch", lambda: decode_jpeg(blobs, mode=ImageReadMode.RGB,
-                                                                                     device=device))
+        images = timed("decode_jpegs (nvJPEG), the whole batch", lambda: decode_jpegs(blobs, device))
         padded = timed("crop: the padded batch (stacked)", lambda: stacked(images))
         boxes = params[:, :4].double().to(device) * scales.double().repeat(1, 2).to(device)
         timed("crop: weights (resize_weights x 2)", lambda: (resize_weights(boxes[:, 0], boxes[:, 2], spec.size,
@@ -249,8 +247,8 @@ def stages(root, args, device):
 
 
 def decode(path):
-    from torchvision.io import ImageReadMode, decode_jpeg, read_file
-    return decode_jpeg(read_file(str(path)), mode=ImageReadMode.RGB)
+    return decode_jpegs([torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)],
+                        torch.device("cpu"))[0]
 
 
 def on_cpu(root, args, device):

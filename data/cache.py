@@ -25,7 +25,6 @@ import math
 import mmap
 import queue
 import threading
-import warnings
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing, nullcontext, suppress
@@ -34,7 +33,6 @@ from itertools import islice
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-from torchvision.io import ImageReadMode, decode_jpeg
 from torchvision.transforms import v2
 
 from data.multilabel import multi_hot
@@ -43,9 +41,6 @@ from data.transforms import crop_batch, crop_params, crop_spec
 from utils.general import LOGGER, SharedError, colorstr, cpu_count
 from utils.memory import MEMORY_SHARE, memory_budget, size_text
 
-# torchvision 0.29 marks its image decoders deprecated in favour of TorchCodec; decode_jpeg is still there, and
-# decodes a whole batch in one call, on the GPU too (docs/troubleshooting.md says what to do without it).
-warnings.filterwarnings("ignore", "The image decoding and encoding capabilities of TorchVision", DeprecationWarning)
 MEASURE = "measure"  # RamImages' default budget: memory_budget() when it is made
 
 
@@ -262,12 +257,21 @@ def packed(blobs):
     return flat, torch.tensor([len(blob) for blob in blobs], dtype=torch.int64)
 
 
+def decode_jpegs(blobs, device):
+    """JPEG bytes (a list of 1-D uint8 CPU tensors) as RGB uint8 (C, H, W) images on device, in one call: every
+    JPEG this project decodes from bytes goes through here. TorchCodec's decoder (libjpeg-turbo on the CPU, nvJPEG on
+    CUDA; torchvision's own decode_jpeg is deprecated in its favour, and gives the same pixels), imported here, where
+    it is used: 50-70 ms that a run of the RAM cache does not pay."""
+    from torchcodec.decoders import decode_jpeg
+
+    return decode_jpeg(blobs, mode="RGB", device=device)
+
+
 def decode_crop(blobs, params, scales, spec, device):
     """The JPEG cache's training batch: JPEG bytes (a list of 1-D uint8 CPU tensors) decoded in one call on device
-    (nvJPEG on CUDA), then cropped and flipped (crop_batch: at once on a GPU, one image at a time on a CPU) into one
+    (decode_jpegs), then cropped and flipped (crop_batch: at once on a GPU, one image at a time on a CPU) into one
     uint8 (N, C, size, size) batch."""
-    images = decode_jpeg(blobs, mode=ImageReadMode.RGB, device=device)
-    return crop_batch(images, params.to(device, non_blocking=True), spec, scales)
+    return crop_batch(decode_jpegs(blobs, device), params.to(device, non_blocking=True), spec, scales)
 
 
 def batch_to(batch, device, spec):

@@ -4,7 +4,7 @@ Training images are stored as JPEG bytes (quality 90) at the shorter side the RA
 what the recipe's crops can use), validation images as the raw uint8 pixels of their transforms (which are not
 random: exactly the per-image path's, so val.py agrees with the run). A batch is its images' bytes gathered from
 the page cache, which every process and DataLoader worker on the machine shares: no copy per process and no
-memory budget. JPEGs are decoded by torchvision.io.decode_jpeg, a whole batch in one call: on the GPU (nvJPEG)
+memory budget. JPEGs are decoded by cache.decode_jpegs (TorchCodec), a whole batch in one call: on the GPU (nvJPEG)
 when training on CUDA, else in the DataLoader workers; then each image is cropped and flipped where it was decoded
 (cache.decode_crop), from the same per-sample seeds as the RAM cache's crops, so every promise of the RAM cache
 holds: the same crop boxes at any number of processes, and exact mid-epoch resume.

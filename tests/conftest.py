@@ -33,8 +33,6 @@ def pytest_configure(config):
     CPU (gloo) path, as CI runs it, also on a machine with GPUs: two processes on one GPU are not a launch nccl
     supports, and device=auto would pick CUDA. Set before torch first looks for a GPU."""
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU; run with python -m pytest -m cuda")
-    # torchvision 0.29 marks its decoders deprecated (see data/cache.py); pytest would list the warning per test.
-    config.addinivalue_line("filterwarnings", "ignore:The image decoding and encoding capabilities:DeprecationWarning")
     markexpr = config.option.markexpr or ""
     if "cuda" not in markexpr or "not cuda" in markexpr:  # -m "not cuda" tests the CPU path too
         os.environ["CUDA_VISIBLE_DEVICES"] = ""

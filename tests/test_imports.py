@@ -3,6 +3,7 @@ cycle; read from the source with ast, imports inside functions included (a funct
 arrow, only a later one)."""
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,3 +139,15 @@ def test_data_and_models_import_no_script_nor_each_other():
     wrong = (arrows(graph, ["data", "models"], SCRIPTS) + arrows(graph, ["data"], ["models"])
              + arrows(graph, ["models"], ["data"]))
     assert not wrong, "data/ and models/ import only utils/ (and themselves): " + "; ".join(wrong)
+
+
+def test_jpeg_bytes_are_decoded_in_one_place_by_torchcodec_not_torchvisions_deprecated_decoders():
+    """data/cache.py's decode_jpegs is the one decoder of JPEG bytes; torchvision.io's decoders appear only in
+    benchmarks/data.py, which measures TorchCodec against them."""
+    users = {str(path.relative_to(ROOT)) for path in ROOT.rglob("*.py") if "tests" not in path.parts
+             and ".venv" not in str(path) and re.search(r"torchvision\.io import|torchvision\.io\.decode",
+                                                         path.read_text())}
+    assert users == {"benchmarks/data.py"}
+    decoders = {str(path.relative_to(ROOT)) for path in ROOT.rglob("*.py") if "tests" not in path.parts
+                and "from torchcodec" in path.read_text()}
+    assert decoders == {"data/cache.py"}
