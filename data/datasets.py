@@ -179,7 +179,7 @@ def saved_split(root, split, weights):
     path = run_dir_of(weights) / SPLIT_FILE
     return read_split(path, f"val.py reads {root}, a folder of class folders, as the run that trained {weights} "
                             f"split it: keep the checkpoint in its run's weights/ folder, or give --data a root "
-                            f"with a val/ folder"), path
+                            f"with a val/ folder (its test/ folder: --data ROOT --split test)"), path
 
 
 def skip_unreadable(dataset):

@@ -210,7 +210,8 @@ def test_val_without_the_saved_split_says_what_is_missing(tmp_path, capfd):
     assert capfd.readouterr().err == (
         f"val.py: error: {weights.parent / 'split.json'}: missing; it holds the run's data.val_split split; val.py "
         f"reads {root}, a folder of class folders, as the run that trained {weights} split it: keep the checkpoint in "
-        f"its run's weights/ folder, or give --data a root with a val/ folder\n")
+        f"its run's weights/ folder, or give --data a root with a val/ folder (its test/ folder: --data ROOT --split "
+        f"test)\n")
 
 
 def test_val_split_under_torchrun_rank_0_splits_and_writes_and_every_rank_uses_its_split(tmp_path):
