@@ -92,6 +92,7 @@ NOT_RUN = {
     "python benchmarks/overhead.py": BENCHMARK,
     "python benchmarks/compute.py": BENCHMARK,
     "python benchmarks/data.py": BENCHMARK,
+    "python benchmarks/data.py --only-decode": BENCHMARK,
     "python benchmarks/gpu.py": BENCHMARK,
     "torchrun --nproc_per_node=2 benchmarks/ddp.py": BENCHMARK,
     "python benchmarks/finetune.py": BENCHMARK,
