@@ -251,10 +251,19 @@ def check_recipe(settings):
     not by every trial."""
     command = train_command(settings, ["--recipe", settings["recipe"], *settings["overrides"], "--check"])
     print(f"{colorstr('tune:')} checking the recipe with the sweep's overrides (train.py --check)", flush=True)
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
+    returncode, output = run_to_end(command)
+    if returncode != 0:
         raise UsageError(f"train.py refuses the sweep's recipe and overrides, so every trial would fail: "
-                         f"{failure_line(result.stdout + result.stderr)}")
+                         f"{failure_line(output)}")
+
+
+def run_to_end(command):
+    """(exit code, output) of a child run as a trial is (child_process: stopped with tune.py)."""
+    with tempfile.TemporaryFile("w+") as out:
+        with child_process(command, out) as process:
+            process.wait()
+        out.seek(0)
+        return process.returncode, out.read()
 
 
 def train_command(settings, arguments):
@@ -377,8 +386,13 @@ def trial_arguments(settings, run, params, retried):
     if run.exists() and retried is None:
         raise UsageError(f"{run} exists, but the study does not know it: the study was replaced; give another --name")
     shutil.rmtree(run, ignore_errors=True)  # a first try cut off before it saved anything
-    overrides = [*settings["overrides"], *(f"{k}={as_override(v)}" for k, v in params.items())]
-    return ["--recipe", settings["recipe"], *overrides, f"project={run.parent}", f"name={run.name}"], ""
+    return ["--recipe", settings["recipe"], *trial_overrides(settings, params), f"project={run.parent}",
+            f"name={run.name}"], ""
+
+
+def trial_overrides(settings, params):
+    """The sweep's fixed overrides, then the trial's keys, as key=value."""
+    return [*settings["overrides"], *(f"{k}={as_override(v)}" for k, v in params.items())]
 
 
 def record_seconds(trial):
@@ -410,14 +424,13 @@ def study_trial(trial):
 
 def trial_epochs(settings, params):
     """train.epochs of the trial's recipe."""
-    overrides = [*settings["overrides"], *(f"{k}={as_override(v)}" for k, v in params.items())]
-    return load_recipe(settings["recipe"], overrides).train.epochs
+    return load_recipe(settings["recipe"], trial_overrides(settings, params)).train.epochs
 
 
 @contextmanager
 def child_process(command, out):
-    """The trial's train.py, its output to out; it is told (SIGTERM) to save and stop if tune.py dies, and on any
-    error here it is stopped and waited for."""
+    """A child of tune.py (a trial's train.py, the check, val.py), its output to out; it is told (SIGTERM) to save
+    and stop if tune.py dies or is stopped, and on any error here it is stopped and waited for."""
     parent = os.getpid()
     process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                preexec_fn=lambda: die_with_parent(parent))
@@ -543,10 +556,10 @@ def held_out_score(sweep, trial, settings):
     if not (weights.exists() and (root / "test").is_dir() and any((root / n).is_dir() for n in ("val", "valid"))):
         return None
     with tempfile.TemporaryDirectory() as tmp:
-        result = subprocess.run([sys.executable, str(ROOT / "val.py"), "--weights", str(weights), "--split", "test",
-                                 "--project", tmp, "--name", "test"], capture_output=True, text=True)
-        if result.returncode != 0:
-            print(f"  the test split was not scored: {failure_line(result.stdout + result.stderr)}")
+        returncode, output = run_to_end([sys.executable, str(ROOT / "val.py"), "--weights", str(weights), "--split",
+                                         "test", "--project", tmp, "--name", "test"])
+        if returncode != 0:
+            print(f"  the test split was not scored: {failure_line(output)}")
             return None
         return root / "test", json.loads((Path(tmp) / "test" / "metrics.json").read_text())[metric]
 
@@ -575,8 +588,7 @@ def write_best(path, trial, settings):
     """The best trial as a recipe: the searched recipe as its base, then the sweep's overrides and the trial's keys."""
     recipe = find_recipe(settings["recipe"]).resolve()
     base = recipe.name if recipe.parent == RECIPES_DIR.resolve() else str(recipe)  # the user's own: its full path
-    keys = OmegaConf.to_container(OmegaConf.from_dotlist(
-        [*settings["overrides"], *(f"{k}={as_override(v)}" for k, v in trial.params.items())]))
+    keys = OmegaConf.to_container(OmegaConf.from_dotlist(trial_overrides(settings, trial.params)))
     header = (f"# The best trial of {path.parent} (trial {trial.number}: val {settings['metric']} {trial.value:.4f}),"
               f" written by tune.py\n")
     with atomic_write(path) as tmp:
