@@ -228,9 +228,9 @@ def claim_sweep(args):
         before.setdefault("resolved", OmegaConf.to_container(load_recipe(before["recipe"], before["overrides"])))
         changed = [key for key in ("resolved", "space", "nproc", "shared", "study") if before[key] != settings[key]]
         if changed:
-            what = {"resolved": "recipe (with the overrides)"}
-            raise UsageError(f"{sweep} holds a sweep of another command (its {', '.join(what.get(k, k) for k in changed)}"
-                             f" differ): give another --name, or the command that started it")
+            named = ", ".join({"resolved": "recipe (with the overrides)"}.get(key, key) for key in changed)
+            raise UsageError(f"{sweep} holds a sweep of another command (its {named} differ): give another --name, "
+                             f"or the command that started it")
         return sweep, before
     (sweep / "logs").mkdir(parents=True, exist_ok=True)
     with atomic_write(sweep / "sweep.yaml") as tmp:
