@@ -29,7 +29,6 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
-from tqdm import tqdm
 
 from data.cache import device_batches
 from data.datasets import balanced_class_weights, input_feed, set_epoch, training_data
@@ -43,7 +42,7 @@ from utils.config import Recipe, RecipeError, best_metric, flag_as_key, keys_hel
 from utils.distributed import (cleanup_distributed, exit_on_error, keep_ranks_in_step, setup_distributed,
                                stop_if_another_rank_failed, when_failing)
 from utils.general import LOGGER, RANK, WORLD_SIZE, SharedError, UsageError, colorstr
-from utils.loggers import WRONG_SHOWN, RunLogger, epoch_summary
+from utils.loggers import WRONG_SHOWN, RunLogger, epoch_summary, progress
 from utils.metrics import EpochLoss, evaluate, evaluate_ema
 from utils.multilabel import MultiLabelLoss, evaluate_multilabel, evaluate_multilabel_ema
 from utils.optim import build_optimizer, build_scheduler, stepped_parameters
@@ -204,8 +203,9 @@ def train(cfg, vote, dtype, run_dir=None, resume=None, check=False):
     if not continuing:  # a new run that fails before its first checkpoint leaves nothing behind
         when_failing(lambda: remove_if_unsaved(run_dir))
     save_split(run_dir, cfg, train_set, val_set)  # data.val_split's split, for a resume and val.py to reuse
-    logger = RunLogger(run_dir, cfg, classes, (state.epoch, state.epoch * steps + state.step) if continuing else None
-                       ) if RANK == 0 else None
+    logger = RunLogger(run_dir, cfg, classes, (state.epoch, state.epoch * steps + state.step) if continuing else None,
+                       resume and resume[1].get("trackers")) if RANK == 0 else None
+    when_failing(lambda: logger and logger.close("failed"))  # the trackers' runs end failed, with their record
     loop = Loop(OmegaConf.to_object(cfg), train_loader, val_loader, normalizer(cfg.data, device), mix,
                 build_criterion(cfg.train, train_set, device), dtype, vote, logger, run_dir,
                 OmegaConf.to_container(cfg), list(classes), len(train_set), getattr(train_set, "identity", None),
@@ -215,22 +215,29 @@ def train(cfg, vote, dtype, run_dir=None, resume=None, check=False):
         epoch_start = time.time()
         images_seen, stopped = train_one_epoch(loop, state, epoch, show_batch=not (epoch or state.step or resume))
         if stopped:
-            LOGGER.info(stopped_message(run_dir, epoch, state.step, steps))
-            return None
+            return stop_here(loop, epoch, state.step)
         train_time = time.time() - epoch_start
         metrics = validate(loop, state)
         metrics.update({"epoch": epoch + 1, "train/loss": state.epoch_loss[0] / state.epoch_loss[1],
                         "lr/pg0": state.optimizer.param_groups[0]["lr"], "time/epoch": time.time() - epoch_start,
                         "time/img_s": images_seen / train_time})
         if end_epoch(loop, state, epoch, metrics) and epoch + 1 < cfg.train.epochs:  # a signal during validation
-            LOGGER.info(stopped_message(run_dir, epoch + 1, 0, steps))
-            return None
+            return stop_here(loop, epoch + 1, 0)
         if out_of_patience(cfg.train.patience, state, cfg.train.epochs):
             break
     if logger:
-        logger.close()
-        LOGGER.info(next_steps(run_dir, state, time.time() - start, held_out_folder(train_set, val_set), started_at))
+        viewers = logger.close()
+        LOGGER.info(next_steps(run_dir, state, time.time() - start, held_out_folder(train_set, val_set), started_at,
+                               viewers))
     return state.best_score
+
+
+def stop_here(loop, epoch, step):
+    """The ranks agreed to stop on a signal, with last.pt saved: the record ends as stopped, and rank 0 says how to
+    resume. Returns None, train()'s value for a stopped run."""
+    if loop.logger:
+        loop.logger.close("stopped")
+    LOGGER.info(stopped_message(loop.run_dir, epoch, step, loop.loader.sampler.steps()[0]))
 
 
 def build_state(cfg, num_classes, device, dtype, steps, pretrained=True):
@@ -282,8 +289,7 @@ def train_one_epoch(loop, state, epoch, show_batch=False):
         freeze_batchnorm(state.model)
     most, fewest = sampler.steps()  # ranks' shares differ by a sample, so a rank may take one step fewer
     running, tail_loss, stopped = EpochLoss(state.epoch_loss, device), None, False
-    bar = tqdm(loop.loader, desc=f"{epoch + 1}/{cfg.train.epochs}", initial=state.step, total=most,
-               disable=True if RANK else None, leave=False)
+    bar = progress(loop.loader, f"{epoch + 1}/{cfg.train.epochs}", state.step, most)
     layout, crop = memory_format(cfg.train.channels_last), crop_spec(cfg.data)
     # The caches' batches are cropped on the device, the next one while this step runs
     with join_uneven_inputs(state.model, fewest < most), closing(device_batches(bar, device, crop)) as batches:
@@ -403,7 +409,7 @@ def save(loop, state, epoch, *names, best_from_ema=False):
     if loop.logger:
         loop.logger.flush()
     save_state(state, loop.recipe, loop.classes, loop.train_images, [loop.run_dir / "weights" / n for n in names],
-               best_from_ema, loop.data_identity)
+               best_from_ema, loop.data_identity, loop.logger and loop.logger.tracked())
     return stop
 
 

@@ -55,6 +55,7 @@ from utils.config import (RECIPES_DIR, SECTIONS, RecipeError, as_override, best_
                           schema_leaves)
 from utils.general import UsageError, colorstr, short_path
 from utils.once import atomic_write
+from utils.trackers import MLflowSweep, first_line, flat_params, sweep_environment
 
 ROOT = Path(__file__).resolve().parent
 HOST = socket.gethostname()
@@ -129,7 +130,10 @@ def main(argv=None):
             check_recipe(settings)
             study = open_study(storage_of(sweep, args.storage, settings), settings["study"], create=True,
                                prune=not args.no_prune, heartbeat=args.heartbeat)
-            run_sweep(study, space, sweep, settings, args.trials, args.seed, args.heartbeat)
+            record = sweep_record(study, sweep, settings)
+            run_sweep(study, space, sweep, settings, args.trials, args.seed, args.heartbeat, record)
+            if record:
+                record.end()
         report(study, sweep, settings)
     except UsageError as e:
         print(f"tune.py: error: {e}", file=sys.stderr)
@@ -310,13 +314,40 @@ def open_study(url, name, create=False, prune=True, heartbeat=10, tries=5):
             time.sleep(0.2 * (attempt + 1))
 
 
-def run_sweep(study, space, sweep, settings, trials, seed=0, heartbeat=10):
+def sweep_record(study, sweep, settings):
+    """The sweep's record in MLflow (utils/trackers.MLflowSweep: a parent run, a child run per trial) where its
+    recipe's log.to names mlflow, else None; W&B groups the trials' runs after the sweep (sweep_environment). An
+    MLflow that cannot be reached is one line, and the sweep goes on without it (unless log.required)."""
+    log = settings.get("resolved", {}).get("log", {})
+    sweep_environment(log.get("to", []), sweep)
+    if "mlflow" not in log.get("to", []):
+        return None
+    try:
+        fixed = {k: v for k, v in flat_params(settings["resolved"]).items() if k not in settings["space"]}
+        params = {**fixed, **{f"space.{k}": yaml.safe_dump(v, default_flow_style=True).strip()
+                                       for k, v in settings["space"].items()}}
+        record = MLflowSweep(sweep, params, study.user_attrs.get("mlflow_parent"))
+    except Exception as e:  # whatever MLflow raises for a server down or a bad URI
+        if log.get("required"):
+            raise UsageError(f"log.to: MLflow cannot record the sweep ({first_line(e)}) and log.required=true; fix it, "
+                             f"or set log.required=false to sweep on without it") from None
+        print(f"{colorstr('tune:')} MLflow cannot record the sweep ({first_line(e)}); going on without it")
+        return None
+    study.set_user_attr("mlflow_parent", record.parent_id)
+    print(f"{colorstr('tune:')} recorded in MLflow at {record.uri}: run {sweep.name} (the sweep) and a child run "
+          f"per trial (mlflow ui --backend-store-uri {record.uri})")
+    return record
+
+
+def run_sweep(study, space, sweep, settings, trials, seed=0, heartbeat=10, record=None):
     """Optuna's optimize loop until `trials` trials finished or were pruned, or as many failed (a failure of the
-    sweep's own); a trial stopped or cut off is left out of the count, and runs again."""
+    sweep's own); a trial stopped or cut off is left out of the count, and runs again. record: the sweep's MLflow
+    record, or None."""
     ends = (VERDICTS, (TrialState.FAIL,))
     if any(len(study.get_trials(deepcopy=False, states=states)) >= trials for states in ends):
         return  # done already: optimize would run one more trial before its callbacks
-    study.optimize(lambda trial: run_trial(trial, space, sweep, settings, seed, heartbeat), catch=(TrialFailed,),
+    study.optimize(lambda trial: run_trial(trial, space, sweep, settings, seed, heartbeat, record),
+                   catch=(TrialFailed,),
                    callbacks=[MaxTrialsCallback(trials, states=states) for states in ends])
 
 
@@ -332,11 +363,11 @@ def seeded_sampler(seed, number):
     return optuna.samplers.TPESampler(seed=entropy, constant_liar=True)
 
 
-def run_trial(trial, space, sweep, settings, seed, heartbeat):
+def run_trial(trial, space, sweep, settings, seed, heartbeat, record=None):
     """Optuna's objective: train the trial (train_trial). A trial stopped (Ctrl-C, SIGTERM) is asked again at once,
     to be resumed from its last.pt by whichever worker goes on; its seconds are kept however it ends."""
     try:
-        return train_trial(trial, space, sweep, settings, seed, heartbeat)
+        return train_trial(trial, space, sweep, settings, seed, heartbeat, record)
     except KeyboardInterrupt:
         with suppress(Exception):
             RETRY(trial.study, study_trial(trial))
@@ -346,8 +377,9 @@ def run_trial(trial, space, sweep, settings, seed, heartbeat):
             record_seconds(trial)
 
 
-def train_trial(trial, space, sweep, settings, seed, heartbeat):
-    """Run the trial's training; returns its best val score, or raises TrialPruned or TrialFailed."""
+def train_trial(trial, space, sweep, settings, seed, heartbeat, record=None):
+    """Run the trial's training; returns its best val score, or raises TrialPruned or TrialFailed. record: the
+    sweep's MLflow record, where the trial's train.py records its child run."""
     params = draw(trial, space, seed)
     retried = RETRY.retried_trial_number(study_trial(trial))
     run = sweep / trial.user_attrs.get("run", f"trial-{trial.number}")  # a retry's: its first try's
@@ -357,7 +389,8 @@ def train_trial(trial, space, sweep, settings, seed, heartbeat):
     arguments, started = trial_arguments(settings, run, params, retried)
     again = "" if retried is None else f" (trial {retried} again{started})"
     print(f"{colorstr('tune:')} trial {trial.number}: {shown(params)}{again}", flush=True)
-    with open(log, "a") as out, child_process(train_command(settings, arguments), out) as process:
+    env = record.trial_env(trial, run.name) if record else None
+    with open(log, "a") as out, child_process(train_command(settings, arguments), out, env) as process:
         pruned = watch(process, trial, run / "results.csv", settings["metric"], epochs, heartbeat)
     scores, metric = epoch_scores(run / "results.csv", settings["metric"]), settings["metric"]
     if pruned:
@@ -368,13 +401,19 @@ def train_trial(trial, space, sweep, settings, seed, heartbeat):
         with open(log, "a") as out:
             out.write(f"tune.py: trial {trial.number} {why}\n")
         print(f"  {why}; {short_path(run)}")
+        if record:
+            record.trial_ended(trial, "PRUNED")
         raise optuna.TrialPruned()
     if process.returncode != 0 or not scores:
         line = failure_line(Path(log).read_text(errors="replace"))
         trial.set_user_attr("error", line)
         print(f"  failed (exit {process.returncode}): {line}; output in {short_path(log)}")
+        if record:
+            record.trial_ended(trial, "FAIL")
         raise TrialFailed(line)
     print(f"  val {metric} {max(scores):.2%} (best of {len(scores)} epochs); {short_path(run)}")
+    if record:
+        record.trial_ended(trial, "COMPLETE", max(scores))
     return max(scores)
 
 
@@ -428,11 +467,11 @@ def trial_epochs(settings, params):
 
 
 @contextmanager
-def child_process(command, out):
+def child_process(command, out, env=None):
     """A child of tune.py (a trial's train.py, the check, val.py), its output to out; it is told (SIGTERM) to save
     and stop if tune.py dies or is stopped, and on any error here it is stopped and waited for."""
     parent = os.getpid()
-    process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+    process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
                                preexec_fn=lambda: die_with_parent(parent))
     CHILD["process"] = process
     try:

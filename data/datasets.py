@@ -2,6 +2,7 @@
 (class folders, CSVs or a held-out split: data/layouts.py), or CIFAR-10/100 (data/cifar.py)."""
 
 import os
+import shlex
 from collections import Counter
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from utils.memory import release_freed_memory
 from utils.once import atomic_write, once_per_machine
 
 LARGE_IMAGES = 2  # training images whose median shorter side is this many times the size the model sees are said
+SMALL_IMAGES = 3  # ... and those this many times smaller than data.img_size (scaled up: 9x the compute, no detail)
 
 
 def write_digits(root, report=lambda n: None):
@@ -300,10 +302,10 @@ def training_data(cfg, device, workers, saved_in=None):
     """A recipe's (train_set, val_set, train_loader, val_loader, mix): the datasets (training_datasets), MixUp and
     CutMix (None unless on), and loaders over this rank's shares with `workers` workers each (see build_dataloader).
     saved_in: a resumed run's directory, whose data.val_split split is reused. Rank 0 says when the training images
-    are much larger than the model sees them (large_images_note)."""
+    are much larger or smaller than the model sees them (image_size_note)."""
     train_set, val_set = training_datasets(cfg.data, cfg.seed, saved_in, device)
     release_freed_memory()  # what listing them freed, which every DataLoader worker would otherwise inherit
-    if RANK == 0 and (note := large_images_note(train_set, cfg.data)):  # a fact, often meant (photos at 224 px)
+    if RANK == 0 and (note := image_size_note(train_set, cfg.data)):  # a fact, sometimes meant (photos at 224 px)
         LOGGER.info(note)
     mix = batch_mixer(cfg.data, len(train_set.classes), cfg.seed)
     check_shareable(train_set, WORLD_SIZE, cfg.train.batch_size, cfg.data.drop_last, pairs=mix is not None)
@@ -314,20 +316,29 @@ def training_data(cfg, device, workers, saved_in=None):
     return train_set, val_set, train_loader, val_loader, mix
 
 
-def large_images_note(dataset, cfg, sample=64):
+def image_size_note(dataset, cfg, sample=64):
     """The line for training images whose median shorter side is LARGE_IMAGES times the larger of data.img_size
-    and data.val_img_size or more (56 px images at the recipe's 16 px), else None: they are scaled down to it, which
-    may be meant (photos at 224 px) but is easily missed. The sizes come from the cache's decode (or a shard index)
-    where there is one, else from the headers of up to `sample` of the image files (no decoding); None where
-    neither is at hand (CIFAR's arrays)."""
+    and data.val_img_size or more (56 px images at the recipe's 16 px), or SMALL_IMAGES times smaller than
+    data.img_size or more (28 px digits at 160 px), else None: they are scaled to it, which may be meant (photos at
+    224 px) but is easily missed, and small images scaled up cost the square of the factor in compute for no new
+    detail. The sizes come from the cache's decode (or a shard index) where there is one, else from the headers of
+    up to `sample` of the image files (no decoding); None where neither is at hand (CIFAR's arrays)."""
     sides = shorter_sides(dataset, sample)
     seen = max(cfg.img_size, val_size(cfg))
-    if sides is None or not len(sides) or np.median(sides) < LARGE_IMAGES * seen:
+    if sides is None or not len(sides):
         return None
     median = int(np.median(sides))
-    return (f"{colorstr('data:')} the training images are much larger than the model sees them: median shorter "
-            f"side {median} px, scaled down to data.img_size={cfg.img_size} (val: {val_size(cfg)} px); set "
-            f"data.img_size if that is not meant")
+    if median >= LARGE_IMAGES * seen:
+        return (f"{colorstr('data:')} the training images are much larger than the model sees them: median shorter "
+                f"side {median} px, scaled down to data.img_size={cfg.img_size} (val: {val_size(cfg)} px); set "
+                f"data.img_size if that is not meant")
+    if median * SMALL_IMAGES <= cfg.img_size:
+        return (f"{colorstr('data:')} the training images are much smaller than the model sees them: median shorter "
+                f"side {median} px, scaled up to data.img_size={cfg.img_size}, {(cfg.img_size / median) ** 2:.0f}x "
+                f"the pixels to compute on and no more detail; at their own size they train as well in a fraction "
+                f"of the time, e.g. recipes/cls.yaml's small convnet: --recipe cls.yaml "
+                f"data.name={shlex.quote(cfg.name)} data.img_size={median}")
+    return None
 
 
 def shorter_sides(dataset, sample=64):

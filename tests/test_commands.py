@@ -55,6 +55,8 @@ RUN = [
     "torchrun --nproc_per_node=8 train.py --recipe imagenet-resnet50.yaml",
     "python -m data.shards path/to/my_data path/to/shards",
     "torchrun --nproc_per_node=2 train.py --recipe folder.yaml data.name=path/to/shards",
+    "python train.py --recipe cls.yaml 'log.to=[tensorboard,mlflow]'",
+    "WANDB_MODE=offline python train.py --recipe cls.yaml 'log.to=[tensorboard,wandb]'",
 ]
 
 BENCHMARK = "a benchmark: minutes of measurement on this machine"
@@ -83,6 +85,8 @@ NOT_RUN = {
     'srun torchrun --nnodes="$SLURM_NNODES" --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint="$head:29500" '
     '--rdzv-id="$SLURM_JOB_ID" --max-restarts=3 train.py --recipe cls.yaml': SLURM,
     "tensorboard --logdir runs/train": "a server that runs until stopped",
+    "mlflow ui --backend-store-uri sqlite:///runs/mlflow.db": "a server that runs until stopped, from the full mlflow "
+                                                             "package (pip install mlflow), which the lock leaves out",
     "torchrun --max-restarts=K": "a flag named in a sentence, K standing for a number",
     "python benchmarks/scale.py": BENCHMARK,
     "python benchmarks/scale.py --only startup": BENCHMARK,
@@ -104,6 +108,8 @@ NOT_RUN = {
     "python tune.py --recipe cls.yaml --space spaces/cls.yaml --trials 40 --storage "
     "postgresql://user:password@host/optuna --study cls": "needs a PostgreSQL server (tests/test_tune.py shares one "
                                                          "SQLite study between two tune.py)",
+    "python tune.py --recipe cls.yaml --space spaces/cls.yaml --trials 3 train.epochs=3 'log.to=[tensorboard,mlflow]'":
+        "3 trials of training: tests/test_trackers.py runs this sweep with one-epoch trials and reads it from MLflow",
     "python tune.py --recipe cls.yaml --space spaces/cls.yaml --trials 3 train.epochs=3":
         "3 trials of training: tests/test_tune.py runs sweeps of this recipe of 1 to 4 one-epoch trials",
     "python train.py --recipe runs/tune/cls-cls/best.yaml": SWEEP,

@@ -124,3 +124,24 @@ def test_training_images_much_larger_than_data_img_size_are_said_in_one_line(ima
     training_data(load_recipe("cls.yaml", [f"data.name={large}", f"data.cache={cache}", "data.img_size=21"]),
                   torch.device("cpu"), 0)
     assert "much larger" not in log.text
+
+
+def test_training_images_much_smaller_than_data_img_size_are_said_with_the_recipe_that_fits_them(image_folder, log):
+    """28 px digits at folder.yaml's 160 px: scaled up, 33x the pixels; the line points to cls.yaml at their size."""
+    from data.datasets import training_data
+    from utils.config import load_recipe
+
+    small = image_folder({"train": {"a": 3, "b": 3}, "val": {"a": 1, "b": 1}}, size=28)
+    training_data(load_recipe("cls.yaml", [f"data.name={small}", "data.img_size=160"]), torch.device("cpu"), 0)
+    lines = [line for line in log.text.splitlines() if "much smaller" in line]
+    assert len(lines) == 1 and lines[0].endswith(
+        "the training images are much smaller than the model sees them: median shorter side 28 px, scaled up to "
+        "data.img_size=160, 33x the pixels to compute on and no more detail; at their own size they train as well "
+        f"in a fraction of the time, e.g. recipes/cls.yaml's small convnet: --recipe cls.yaml data.name={small} "
+        "data.img_size=28")
+    log.clear()
+    training_data(load_recipe("cls.yaml", [f"data.name={small}", "data.img_size=84"]), torch.device("cpu"), 0)
+    assert "much smaller" in log.text  # 3x
+    log.clear()
+    training_data(load_recipe("cls.yaml", [f"data.name={small}", "data.img_size=83"]), torch.device("cpu"), 0)
+    assert "much smaller" not in log.text

@@ -56,7 +56,7 @@ def test_the_lock_pins_every_requirement_within_its_range():
             (version,) = [spec.version for spec in pin.specifier if spec.operator == "=="]
             pins[canonicalize_name(pin.name)] = version
     for line in [*requirement_lines("requirements.txt"), *requirement_lines("requirements-export.txt"),
-                 *requirement_lines("requirements-tune.txt")]:
+                 *requirement_lines("requirements-tune.txt"), *requirement_lines("requirements-track.txt")]:
         wanted = Requirement(line)
         name = canonicalize_name(wanted.name)
         assert name in pins, f"requirements-lock.txt lacks {wanted.name}: refresh it (README, Install)"

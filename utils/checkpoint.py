@@ -179,13 +179,14 @@ def run_dir_of(checkpoint_path):
     return path.parent.parent if path.parent.name == "weights" else path.parent
 
 
-def save_state(state, recipe, classes, train_images, paths, best_from_ema=False, data_identity=None):
+def save_state(state, recipe, classes, train_images, paths, best_from_ema=False, data_identity=None, tracked=None):
     """Save a checkpoint of the run where it is, with its recipe (a plain dict) and every rank's random state, to
     each of paths (all ranks call this together, rank 0 writes). With best_from_ema, best.pt's 'model' holds the
     EMA weights, which scored better ('model_source' says which). data_identity: a shard set's shards and their
     SHA-256 (data/shard_sets.py), which a resumed run must find unchanged. 'best_score': the best val score so far
     of 'best_metric' (train.best_metric as it applies: top1, balanced_top1 or map). Multi-label: 'thresholds' holds
-    the saved weights' per-class thresholds, chosen at the last validation."""
+    the saved weights' per-class thresholds, chosen at the last validation. 'trackers': rank 0's tracked run ids
+    (tracked: tracker -> id), which a resumed run continues."""
     rng = gather_object(rng_states())
 
     def write():
@@ -196,7 +197,8 @@ def save_state(state, recipe, classes, train_images, paths, best_from_ema=False,
             "logged_loss": list(state.logged_loss), "best_score": state.best_score, "best_metric": state.best_metric,
             "best_epoch": state.best_epoch, "classes": list(classes), "recipe": recipe,
             "rng": rng, "train_images": train_images, "ema": None if state.ema is None else state.ema.state_dict(),
-            "model_source": "training", "data_identity": data_identity, "thresholds": state.thresholds}
+            "model_source": "training", "data_identity": data_identity, "thresholds": state.thresholds,
+            "trackers": tracked}
         for path in paths:
             ema_best = best_from_ema and path.name == "best.pt"
             save_checkpoint({**checkpoint, "model": state.ema.module.state_dict(), "model_source": "ema",

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from utils.general import ROOT, WORLD_SIZE, SharedError
+from utils.trackers import TRACKERS, missing
 
 RECIPES_DIR = ROOT / "recipes"
 COMMAND_LINE = "command line"  # the source of key=value overrides, as errors name it
@@ -124,6 +125,13 @@ class DDPConfig:  # smart_DDP's keyword arguments (train.py passes the section a
 
 
 @dataclass
+class LogConfig:  # where rank 0 records the run besides results.csv and results.png
+    to: list[str] = field(default_factory=lambda: ["tensorboard"])  # any of tensorboard, mlflow, wandb (the last two: pip install -r requirements-track.txt; docs/outputs.md)
+    weights: bool = False  # mlflow, wandb: also upload weights/best.pt at the end of a finished run (weights are large)
+    required: bool = False  # mlflow, wandb: refuse to train when one cannot be reached; false: one line, then train on without it
+
+
+@dataclass
 class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -131,6 +139,7 @@ class Recipe:
     optim: OptimConfig = field(default_factory=OptimConfig)
     sched: SchedConfig = field(default_factory=SchedConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     device: str = "auto"  # auto (CUDA when present), cpu, cuda (GPU LOCAL_RANK); one process per machine: N or cuda:N
     seed: int = 0  # seeds model init, data order and augmentation
     project: str = "runs/train"  # runs are saved to project/name
@@ -141,7 +150,7 @@ class Recipe:
 RESUME_KEYS = ("train.epochs", "train.patience", "train.save_every_steps", "train.log_every_steps", "train.accumulate",
                "train.hang_seconds",
                "train.compile", "train.channels_last", "data.workers", "ddp.bucket_cap_mb",
-               "ddp.gradient_as_bucket_view", "device", "project", "name")
+               "ddp.gradient_as_bucket_view", "device", "project", "name", "log.to", "log.weights", "log.required")
 # Not ddp.comm_hook: like train.precision it changes every gradient's value (bf16 keeps 8 bits of it), not only the
 # order of fp32 sums, so a run resumed with another hook would not be the run it continues.
 
@@ -198,7 +207,7 @@ CHANGES_RESULTS_WHEN = {
                      "data.shard_hosts", "data.skip_corrupt", "data.csv_allow_outside", "train.log_every_steps", "train.save_every_steps",
                      "train.hang_seconds",
                      "train.compile", "train.channels_last", "train.deterministic", "ddp.bucket_cap_mb",
-                     "ddp.gradient_as_bucket_view"), never),
+                     "ddp.gradient_as_bucket_view", "log.to", "log.weights", "log.required"), never),
 }
 # Not train.accumulate, which a resume may change too: BatchNorm sees each micro-batch's statistics.
 
@@ -610,6 +619,10 @@ def check_other_values(cfg, require):
     require(parse_device(cfg.device) is not None, "device", DEVICES)
     require(0 <= cfg.seed < 2**31, "seed", "in [0, 2**31)")
     require(bool(cfg.name.strip()), "name", "a non-empty run name")
+    require(set(cfg.log.to) <= {"tensorboard", *TRACKERS} and len(set(cfg.log.to)) == len(cfg.log.to), "log.to",
+            f"a list of distinct loggers among tensorboard, {', '.join(TRACKERS)} (e.g. [tensorboard,mlflow])")
+    for name in cfg.log.to:
+        require(missing(name) is None, "log.to", f"loggers that are installed ({name} {missing(name)})")
 
 
 def best_metric(cfg):

@@ -1,17 +1,22 @@
 """Rank 0's record of a run: results.csv, results.png, TensorBoard (scalars, image grids, the confusion matrix,
-hparams) and the console summary line."""
+hparams), the trackers of log.to (utils/trackers.py) and the console summary line."""
 
 import csv
+import shlex
+import sys
 import textwrap
 import time
 from contextlib import contextmanager
 
 import torch
 from omegaconf import OmegaConf
+from tqdm import tqdm
 
 from utils.config import results_keys
+from utils.general import LOGGER, RANK, colorstr
 from utils.once import atomic_write
 from utils.plots import confusion_figure, figure_array, labelled_grid, results_figure, save_figure
+from utils.trackers import first_line, flat_params, open_trackers
 
 # results.csv's columns, also the TensorBoard tags of the epoch scalars but for those TENSORBOARD_TAGS renames.
 COLUMNS = ["epoch", "train/loss", "val/loss", "val/top1", "val/balanced_top1", "val/top5", "val/ema_loss",
@@ -32,31 +37,57 @@ TENSORBOARD_TAGS = {"val/ema_loss": "val_ema/loss", "val/ema_top1": "val_ema/top
                     "lr/pg0": "x/lr", "time/epoch": "x/epoch_time", "time/img_s": "x/img_s"}
 PLOT_SHARE = 0.02  # matplotlib plots may take this share of the run's time (each costs about 0.3-1 s on a CPU)
 WRONG_SHOWN = 32  # misclassified val images shown per epoch
+PROGRESS_SECONDS = 30  # output to a file (nohup, SLURM): a plain progress line this often within an epoch
 
 
 class RunLogger:
     """Appends one row per epoch to results.csv and the same scalars to TensorBoard event files in run_dir, with
-    image grids, the confusion matrix and results.png.
+    image grids, the confusion matrix and results.png; and to the trackers of log.to (MLflow, W&B): the recipe as
+    parameters, the same scalars at the same steps, and at the end the plots, recipe.yaml and (log.weights) best.pt.
 
     TensorBoard's x-axis is the optimizer step for every tag (for epoch metrics, the step at the epoch's end). A
     resumed run (done = (epochs, steps) done) continues the record where its checkpoint was saved: later rows,
-    written before the run stopped, are dropped from results.csv, and TensorBoard hides later events (purge_step).
+    written before the run stopped, are dropped from results.csv, TensorBoard hides later events (purge_step), and
+    each tracker continues the run of tracked (tracker -> run id, from the checkpoint).
     """
 
-    def __init__(self, run_dir, cfg, classes, done=None):
+    def __init__(self, run_dir, cfg, classes, done=None, tracked=None):
         from torch.utils.tensorboard import SummaryWriter  # here: only rank 0 pays for importing TensorBoard
 
         self.run_dir, self.classes, self.csv_path = run_dir, list(classes), run_dir / "results.csv"
         self.columns = results_columns(cfg)
         self.plots = PlotBudget(PLOT_SHARE)
         self.unplotted = None  # (global step, confusion matrix) of the last epoch logged, until plotted
-        if done is None:
+        self.confusion = None  # the last epoch's confusion matrix, for the trackers' copy of its plot
+        self.upload_weights = cfg.log.weights
+        self.tb = None
+        if "tensorboard" not in cfg.log.to:
+            pass
+        elif done is None:
             self.tb = SummaryWriter(str(run_dir))
             self.tb.add_text("recipe", textwrap.indent(OmegaConf.to_yaml(cfg), "    "))  # indented: shown as code
             self.write_hparams(cfg)
         else:
-            keep_rows(self.csv_path, done[0], self.columns)
             self.tb = SummaryWriter(str(run_dir), purge_step=done[1] + 1)
+        if done is not None:
+            keep_rows(self.csv_path, done[0], self.columns)
+        self.trackers = open_trackers(cfg.log.to, run_dir, flat_params(OmegaConf.to_container(cfg)), tracked,
+                                      cfg.log.required)
+        places = ["results.csv", *(["TensorBoard"] if self.tb else []), *(t.where() for t in self.trackers)]
+        LOGGER.info(f"{colorstr('log:')} {', '.join(places)}")
+
+    def tracked(self):
+        """The trackers' run ids (tracker -> id), which checkpoints keep so that a resumed run continues them."""
+        return {t.key: t.id for t in self.trackers} if self.trackers else None
+
+    def track(self, call):
+        """call(tracker) on each tracker; one that fails is dropped with one line, and the run trains on."""
+        for tracker in list(self.trackers):
+            try:
+                call(tracker)
+            except Exception as e:
+                self.trackers.remove(tracker)
+                LOGGER.warning(f"log.to: {tracker.label} failed ({first_line(e)}); the run goes on without it")
 
     def write_hparams(self, cfg):
         """The recipe keys that change what this run learns (results_keys) for TensorBoard's HParams tab, where its
@@ -76,14 +107,18 @@ class RunLogger:
 
     def log_batch(self, images, targets):
         """A grid of (augmented uint8) training images captioned with their class names (multi-label: all of them,
-        comma-separated)."""
+        comma-separated), in TensorBoard."""
+        if self.tb is None:
+            return
         labels = [",".join(self.classes[c] for c in t.nonzero().flatten().tolist()) if t.dim() else self.classes[int(t)]
                   for t in targets.cpu()]
         self.tb.add_image("train/batch", labelled_grid(images.cpu(), labels), 0)
 
     def log_step(self, global_step, loss):
         """The mean training loss of the last few steps, at the global step count."""
-        self.tb.add_scalar("train/loss_step", loss, global_step)
+        if self.tb:
+            self.tb.add_scalar("train/loss_step", loss, global_step)
+        self.track(lambda t: t.log({"train/loss_step": loss}, global_step))
 
     def log_epoch(self, metrics, global_step):
         """Record an epoch that ended at global_step: metrics has every name in its columns (None for a metric not
@@ -95,19 +130,28 @@ class RunLogger:
             if new:
                 writer.writerow(self.columns)
             writer.writerow([format_value(metrics[c]) for c in self.columns])
-        for name in self.columns[1:]:
-            if metrics[name] is not None:
-                self.tb.add_scalar(TENSORBOARD_TAGS.get(name, name), metrics[name], global_step)
+        scalars = {name: metrics[name] for name in self.columns if metrics[name] is not None}
+        self.track(lambda t: t.log(scalars, global_step))  # results.csv's columns, epoch too, as they are named
+        if self.tb:
+            self.log_tensorboard(metrics, scalars, global_step)
+        self.unplotted = (global_step, metrics.get("confusion"))  # None with very many classes, or multi-label
+        self.confusion = metrics.get("confusion")
+        if self.plots.due():
+            self.draw_plots()
+        self.flush()
+
+    def log_tensorboard(self, metrics, scalars, global_step):
+        """An epoch's scalars (but the epoch's number, which the step says), per-class figures and the
+        misclassified images in TensorBoard."""
+        for name, value in scalars.items():
+            if name != "epoch":
+                self.tb.add_scalar(TENSORBOARD_TAGS.get(name, name), value, global_step)
         if "per_class" in metrics:
             self.log_multilabel(metrics, global_step)
         if metrics.get("wrong"):
             images, true, predicted = zip(*metrics["wrong"][:WRONG_SHOWN])
             labels = [f"{self.classes[t]} as {self.classes[p]}" for t, p in zip(true, predicted)]
             self.tb.add_image("val/misclassified", labelled_grid(torch.stack(images), labels), global_step)
-        self.unplotted = (global_step, metrics.get("confusion"))  # None with very many classes, or multi-label
-        if self.plots.due():
-            self.draw_plots()
-        self.tb.flush()
 
     def log_multilabel(self, metrics, global_step):
         """Multi-label: each class's AP as a scalar and in a table (with its F1 and its threshold maximising F1),
@@ -126,20 +170,87 @@ class RunLogger:
         with self.plots.timed():
             save_figure(results_figure(self.csv_path), self.run_dir / "results.png")
             step, confusion = self.unplotted
-            if confusion is not None:
+            if confusion is not None and self.tb:
                 self.tb.add_image("val/confusion_matrix", figure_array(confusion_figure(confusion, self.classes)),
                                   step, dataformats="HWC")
         self.unplotted = None
 
     def flush(self):
         """Write the TensorBoard events logged so far (before a checkpoint, which a resumed run continues from)."""
-        self.tb.flush()
+        if self.tb:
+            self.tb.flush()
+
+    def close(self, status="finished"):
+        """End the record: draw the plots of the last epoch if they are not yet drawn, close the TensorBoard writer,
+        upload the plots, recipe.yaml and (log.weights) best.pt to the trackers and mark their runs finished,
+        stopped or failed. Returns the commands that show the record (tensorboard --logdir ...)."""
+        if self.unplotted is not None and self.csv_path.exists():
+            self.draw_plots()
+        if self.tb:
+            self.tb.close()
+        if self.trackers:
+            files = self.artifacts(status)
+            self.track(lambda t: t.upload(files))
+            self.track(lambda t: t.end(status))
+        return [*([f"tensorboard --logdir {shlex.quote(str(self.run_dir.parent))}"] if self.tb else []),
+                *(t.browse() for t in self.trackers)]
+
+    def artifacts(self, status):
+        """The files the trackers keep: results.png, the last epoch's confusion matrix (confusion_matrix.png, drawn
+        for them), recipe.yaml and, with log.weights, best.pt of a finished run."""
+        files = [self.run_dir / name for name in ("results.png", "recipe.yaml")]
+        if self.confusion is not None:
+            save_figure(confusion_figure(self.confusion, self.classes), self.run_dir / "confusion_matrix.png")
+            files.append(self.run_dir / "confusion_matrix.png")
+        best = self.run_dir / "weights" / "best.pt"
+        if self.upload_weights and status == "finished":
+            files.append(best)
+        return [f for f in files if f.exists()]
+
+
+def progress(loader, label, initial, total):
+    """An epoch's progress on rank 0: tqdm's bar on a terminal; with output to a file, where a bar would be one line
+    rewritten in place, a plain line every PROGRESS_SECONDS (ProgressLines); nothing on the other ranks. label:
+    'epoch/epochs'; initial, total: the steps done and in all."""
+    if RANK == 0 and not sys.stderr.isatty():  # tqdm's own test for a terminal, on the stream it writes
+        return ProgressLines(loader, label, initial, total)
+    return tqdm(loader, desc=label, initial=initial, total=total, disable=True if RANK else None, leave=False)
+
+
+class ProgressLines:
+    """tqdm's part that the loop uses (iterate, set_postfix_str, disable), printing a line every PROGRESS_SECONDS:
+    'epoch 1/10: step 40/125, loss 0.5321  312 img/s, 4m 30s left in the epoch'."""
+
+    disable = False
+
+    def __init__(self, iterable, label, initial, total):
+        self.iterable, self.label, self.n, self.total, self.postfix = iterable, label, initial, total, ""
+
+    def __iter__(self):
+        start = shown = time.monotonic()
+        first = self.n
+        for item in self.iterable:
+            yield item
+            self.n += 1
+            now = time.monotonic()
+            if now - shown >= PROGRESS_SECONDS and self.n < self.total:
+                left = (self.total - self.n) * (now - start) / (self.n - first)
+                LOGGER.info(f"epoch {self.label}: step {self.n}/{self.total}, {self.postfix}, "
+                            f"{format_seconds(left)} left in the epoch")
+                shown = now
+
+    def set_postfix_str(self, text, refresh=True):
+        self.postfix = text
 
     def close(self):
-        """Draw the plots of the last epoch if they are not yet drawn; flush and close the TensorBoard writer."""
-        if self.unplotted is not None:
-            self.draw_plots()
-        self.tb.close()
+        pass
+
+
+def format_seconds(seconds):
+    """'1h 02m', '4m 30s' or '12s'."""
+    minutes, seconds = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {seconds:02d}s" if minutes else f"{seconds}s"
 
 
 class PlotBudget:

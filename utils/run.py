@@ -142,21 +142,24 @@ def resume_command(run_dir):
     return f"torchrun --nproc_per_node={LOCAL_WORLD_SIZE}{extra} train.py --resume {run_dir}"
 
 
-def next_steps(run_dir, state, seconds, held_out, started_at=(0, 0)):
+def next_steps(run_dir, state, seconds, held_out, started_at=(0, 0), viewers=None):
     """The end of a run: what this launch trained in how long, where the results are, the best score, and the
     commands that use them. held_out: the folder of the val images alone, or None where they lie among the
     training images (data.val_split, a CSV list) or are not files; started_at: the (epoch, step) this launch
-    started from, a resumed run's."""
+    started from, a resumed run's; viewers: the commands that show its record (RunLogger.close), by default
+    TensorBoard's."""
+    viewers = [f"tensorboard --logdir {shlex.quote(str(run_dir.parent))}"] if viewers is None else viewers
     best = shlex.quote(str(run_dir / "weights" / "best.pt"))  # pasted into a shell as printed
     epochs = state.epoch - started_at[0]
     resumed = f", resumed at epoch {started_at[0] + 1}, step {started_at[1]}; {state.epoch} in all" if any(
         started_at) else ""
     source = shlex.quote(str(short_path(held_out))) if held_out else "path/to/new_images"
+    events = "TensorBoard events, " if any(viewer.startswith("tensorboard ") for viewer in viewers) else ""
     return (f"\n{epochs} epoch{'s' * (epochs != 1)} in {seconds:.1f}s{resumed}. Results saved to "
-            f"{colorstr('bold', str(run_dir))} (results.csv, results.png, TensorBoard events, weights/)\n"
+            f"{colorstr('bold', str(run_dir))} (results.csv, results.png, {events}weights/)\n"
             f"Best {BEST_METRIC_NAMES[state.best_metric]} {state.best_score:.2%} at epoch {state.best_epoch}: {best}\n"
             f"Next:\n"
-            f"  tensorboard --logdir {shlex.quote(str(run_dir.parent))}\n"
+            + "".join(f"  {viewer}\n" for viewer in viewers) +
             f"  python val.py --weights {best}\n"
             f"  python predict.py --weights {best} --source {source}"
             f"{'' if held_out else '     # a folder of new images'}\n"

@@ -1,0 +1,264 @@
+"""Experiment trackers a run is also recorded in (the recipe's log.to): MLflow and Weights & Biases, each an optional
+extra (requirements-track.txt) imported only when named, written by rank 0 alone through utils/loggers.RunLogger.
+
+A tracker that cannot be reached costs the run nothing but its record there: opening it fails in one line and the
+run trains on with results.csv and TensorBoard (log.required=true refuses to start instead), and a tracker that fails
+later is dropped with one line. Metrics go through each library's own background sender (MLflow's asynchronous
+logging, W&B's service process), so a slow server never holds a step, which the other ranks would wait for.
+"""
+
+import importlib.util
+import logging
+import os
+import shlex
+import shutil
+import time
+from pathlib import Path
+
+from utils.general import LOGGER, UsageError
+
+TRACKERS = {"mlflow": "MLflow", "wandb": "W&B"}  # log.to's names of trackers, and how lines name them
+PACKAGES = {"mlflow": "mlflow", "wandb": "wandb"}  # the module each needs
+INSTALL = "pip install -r requirements-track.txt"
+# MLflow retries an unreachable server 7 times over about four minutes by default; unless these are set, a tracking
+# server that is down costs the start of a run a few seconds (its usual environment variables, so set them to wait).
+MLFLOW_PATIENCE = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                   "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+WANDB_INIT_SECONDS = 30  # W&B's wait for its service at start-up, unless WANDB_INIT_TIMEOUT says (its default: 90)
+MLFLOW_STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
+PARAMS_PER_CALL = 100  # MLflow's limit on the parameters of one log_batch call
+
+
+def missing(name):
+    """Why log.to cannot name `name` here, or None."""
+    if name in TRACKERS and importlib.util.find_spec(PACKAGES[name]) is None:
+        return f"needs {PACKAGES[name]}, an optional extra not installed here: {INSTALL}"
+    return None
+
+
+def open_trackers(names, run_dir, params, ids=None, required=False):
+    """The trackers among names, each recording this run as run_dir's name with params (flat recipe keys -> values)
+    or continuing the run of ids[name] (a resumed run's, kept in its checkpoint). One that cannot be opened is left
+    out with a warning, or refused (UsageError) when required."""
+    trackers = []
+    for name in (n for n in names if n in TRACKERS):
+        try:
+            trackers.append(OPENERS[name](run_dir, params, (ids or {}).get(name)))
+        except Exception as e:  # whatever the library raises for a server down, a bad URI, no account
+            reason = first_line(e)
+            if required:
+                raise UsageError(f"log.to: {TRACKERS[name]} cannot record this run ({reason}) and log.required=true; "
+                                 f"fix it, or set log.required=false to train on without it") from None
+            LOGGER.warning(f"log.to: {TRACKERS[name]} cannot record this run ({reason}); training on with "
+                           f"results.csv and TensorBoard (log.required=true refuses to start instead)")
+    return trackers
+
+
+def first_line(error):
+    """An exception's first line, or its type's name where it says nothing."""
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def flat_params(tree, prefix=""):
+    """A nested recipe dict as flat keys -> str values (lists as YAML writes them inline), as trackers take them."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flat_params(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+class MLflowRun:
+    """A run in MLflow's tracking store: MLFLOW_TRACKING_URI, or else a local SQLite store beside the project
+    (runs/mlflow.db for runs/train), which `mlflow ui` browses with no server. The experiment is
+    MLFLOW_EXPERIMENT_NAME, else the project folder's name (train); MLFLOW_RUN_ID names a run to record into (tune.py
+    gives each trial its child run so)."""
+
+    key, label = "mlflow", "MLflow"
+
+    def __init__(self, run_dir, params, run_id=None):
+        self.mlflow, self.client, self.uri = mlflow_client(run_dir)
+        self.sending = []  # the asynchronous log calls' operations, until waited for
+        run_id = os.environ.get("MLFLOW_RUN_ID") or run_id
+        if run_id:  # a resumed run, or a trial's that tune.py made
+            self.run_id = self.client.get_run(run_id).info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+            logged = self.client.get_run(self.run_id).data.params
+        else:
+            experiment = mlflow_experiment(self.client, self.uri, run_dir.parent.name)
+            self.run_id = self.client.create_run(experiment, run_name=run_dir.name).info.run_id
+            logged = {}
+        # A parameter, once logged, cannot change; a resumed run may change train.epochs and the like.
+        log_params(self.mlflow, self.client, self.run_id, {k: v for k, v in params.items() if k not in logged})
+
+    @property
+    def id(self):
+        return self.run_id
+
+    def where(self):
+        return f"MLflow run {self.run_id} at {self.uri}"
+
+    def log(self, metrics, step):
+        """Record metrics (name -> number) at step, in MLflow's background sender."""
+        now = int(time.time() * 1000)
+        batch = [self.mlflow.entities.Metric(k, float(v), now, step) for k, v in metrics.items()]
+        self.sending.append(self.client.log_batch(self.run_id, metrics=batch, synchronous=False))
+
+    def upload(self, paths):
+        """Copy files to the run's artifacts."""
+        self.wait()  # the metrics first: a long upload after them
+        for path in paths:
+            self.client.log_artifact(self.run_id, str(path))
+
+    def end(self, status):
+        """Mark the run finished, stopped (MLflow's KILLED) or failed, after every metric is sent."""
+        self.wait()
+        self.client.set_terminated(self.run_id, MLFLOW_STATUS[status])
+
+    def wait(self):
+        """Until every metric logged is sent (raising a failure to send)."""
+        while self.sending:
+            self.sending.pop(0).wait()
+
+    def browse(self):
+        """The command that shows the run, for a local store."""
+        if self.uri.startswith(("sqlite:", "file:")) or "://" not in self.uri:
+            return f"mlflow ui --backend-store-uri {shlex.quote(self.uri)}     # the UI needs: pip install mlflow"
+        return f"open {self.uri}"
+
+
+def mlflow_client(run_dir):
+    """(mlflow, a client, its tracking URI): MLFLOW_TRACKING_URI, else the local store beside the project."""
+    for key, value in MLFLOW_PATIENCE.items():
+        os.environ.setdefault(key, value)
+    import mlflow
+
+    for noisy in ("mlflow", "alembic"):  # its store's set-up lines, after its import sets them; errors still show
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or default_mlflow_uri(run_dir)
+    return mlflow, mlflow.MlflowClient(uri), uri
+
+
+def mlflow_experiment(client, uri, name):
+    """MLFLOW_EXPERIMENT_ID, or the id of the experiment MLFLOW_EXPERIMENT_NAME or name, made if new: in a SQLite
+    store with its files beside the database (mlartifacts/; MLflow's default is ./mlruns wherever the run starts)."""
+    if os.environ.get("MLFLOW_EXPERIMENT_ID"):
+        return os.environ["MLFLOW_EXPERIMENT_ID"]
+    name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or name
+    experiment = client.get_experiment_by_name(name)
+    if experiment:
+        return experiment.experiment_id
+    database = uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else None
+    files = (Path(database).parent / "mlartifacts").resolve().as_uri() if database else None
+    return client.create_experiment(name, artifact_location=files)
+
+
+def log_params(mlflow, client, run_id, params):
+    """Log params (name -> value, as str) in MLflow's batches."""
+    batch = [mlflow.entities.Param(k, str(v)) for k, v in params.items()]
+    for i in range(0, len(batch), PARAMS_PER_CALL):
+        client.log_batch(run_id, params=batch[i:i + PARAMS_PER_CALL])
+
+
+class MLflowSweep:
+    """tune.py's record in MLflow: a parent run for the sweep (named after it, its fixed recipe and space as
+    parameters, the best score so far as a metric by trial number), and for each trial a child run that the trial's
+    train.py records into (MLFLOW_RUN_ID), tagged with its number and, at its end, its state (COMPLETE, PRUNED,
+    FAIL). parent_id: the sweep's parent run, which every worker shares (the study keeps it)."""
+
+    def __init__(self, sweep, params, parent_id=None):
+        self.mlflow, self.client, self.uri = mlflow_client(sweep)  # beside the project: runs/ for runs/tune
+        self.experiment = mlflow_experiment(self.client, self.uri, sweep.parent.name)
+        if parent_id is None:
+            parent_id = self.client.create_run(self.experiment, run_name=sweep.name).info.run_id
+            log_params(self.mlflow, self.client, parent_id, params)
+        self.parent_id = parent_id
+
+    def trial_env(self, trial, name):
+        """The environment of an Optuna trial's train.py, which records into the trial's child run: its first try's
+        for a retried trial (the trial's user attrs keep it), else a new one named `name` (its run folder's)."""
+        run_id = trial.user_attrs.get("mlflow_run")
+        if run_id is None:
+            tags = {"mlflow.parentRunId": self.parent_id, "trial": str(trial.number)}
+            run_id = self.client.create_run(self.experiment, run_name=name, tags=tags).info.run_id
+            trial.set_user_attr("mlflow_run", run_id)
+        return {**os.environ, "MLFLOW_TRACKING_URI": self.uri, "MLFLOW_RUN_ID": run_id}
+
+    def trial_ended(self, trial, state, value=None):
+        """A trial's end: its state on its child run (ended FAILED where its train.py could not end it), and a
+        finished trial's score on the parent (metric 'value', at the trial's number). A failure here is one line."""
+        try:
+            run_id = trial.user_attrs["mlflow_run"]
+            self.client.set_tag(run_id, "trial_state", state)
+            if self.client.get_run(run_id).info.status == "RUNNING":
+                self.client.set_terminated(run_id, "FAILED" if state == "FAIL" else "KILLED")
+            if value is not None:
+                self.client.log_metric(self.parent_id, "value", value, step=trial.number)
+        except Exception as e:
+            LOGGER.warning(f"log.to: MLflow did not record trial {trial.number}'s end ({first_line(e)})")
+
+    def end(self):
+        self.client.set_terminated(self.parent_id, "FINISHED")
+
+
+def sweep_environment(names, sweep):
+    """W&B's grouping of a sweep's trials: group after the sweep, project after tune.py's project folder (tune),
+    unless WANDB_RUN_GROUP and WANDB_PROJECT say."""
+    if "wandb" in names:
+        os.environ.setdefault("WANDB_RUN_GROUP", sweep.name)
+        os.environ.setdefault("WANDB_PROJECT", sweep.parent.name)
+
+
+def default_mlflow_uri(run_dir):
+    """The local store beside the project's folder: sqlite:///runs/mlflow.db for runs/train/exp, shared by train.py's
+    and tune.py's runs (three slashes and a relative path, or four and an absolute one)."""
+    return f"sqlite:///{(run_dir.parent.parent / 'mlflow.db').as_posix()}"
+
+
+class WandbRun:
+    """A Weights & Biases run, with its usual environment (WANDB_PROJECT, WANDB_MODE=offline with no account and no
+    network, WANDB_RUN_GROUP, WANDB_DIR, WANDB_NAME, ...); by default project after the project folder (train), name
+    after the run, its files in the run's folder (runs/train/exp/wandb/)."""
+
+    key, label = "wandb", "W&B"
+
+    def __init__(self, run_dir, params, run_id=None):
+        import wandb
+
+        settings = wandb.Settings(silent=True, init_timeout=float(os.environ.get("WANDB_INIT_TIMEOUT",
+                                                                                  WANDB_INIT_SECONDS)))
+        given = {"project": run_dir.parent.name, "name": run_dir.name, "dir": str(run_dir)}
+        env = {"project": "WANDB_PROJECT", "name": "WANDB_NAME", "dir": "WANDB_DIR"}
+        given = {k: v for k, v in given.items() if not os.environ.get(env[k])}  # W&B reads those itself
+        self.run = wandb.init(id=os.environ.get("WANDB_RUN_ID") or run_id,
+                              resume="allow", config=params, settings=settings, **given)
+        self.wandb = wandb
+
+    @property
+    def id(self):
+        return self.run.id
+
+    def where(self):
+        return f"W&B run {self.run.id} ({self.run.settings.mode}) in {self.run.dir.removesuffix('/files')}"
+
+    def log(self, metrics, step):
+        self.run.log(dict(metrics), step=step)
+
+    def upload(self, paths):
+        """Copy files into the run's files folder, which W&B uploads with the run (run.save would link them)."""
+        for path in paths:
+            shutil.copy2(path, Path(self.run.dir) / Path(path).name)
+
+    def end(self, status):
+        self.run.summary["status"] = status
+        self.run.finish(exit_code={"finished": 0, "stopped": 143, "failed": 1}[status])
+
+    def browse(self):
+        if self.run.settings.mode == "offline":
+            return f"wandb sync {shlex.quote(self.run.dir.removesuffix('/files'))}"
+        return f"open {self.run.url}"
+
+
+OPENERS = {"mlflow": MLflowRun, "wandb": WandbRun}
