@@ -47,7 +47,7 @@ from utils.metrics import EpochLoss, evaluate, evaluate_ema
 from utils.multilabel import MultiLabelLoss, evaluate_multilabel, evaluate_multilabel_ema
 from utils.optim import build_optimizer, build_scheduler, stepped_parameters
 from utils.precision import autocast, autocast_dtype, grad_scaler
-from utils.run import make_run_dir, next_steps, prepare_run, remove_if_unsaved, resumed_run_dir, stopped_message
+from utils.run import end_stopped, make_run_dir, next_steps, prepare_run, remove_if_unsaved, resumed_run_dir
 from utils.seeds import init_seeds
 from utils.stopping import StopVote, check_vote, out_of_patience, record_best, wants_save, weights_sum
 from utils.watchdog import Placed, further, now_at, placed, set_limit
@@ -205,7 +205,6 @@ def train(cfg, vote, dtype, run_dir=None, resume=None, check=False):
     save_split(run_dir, cfg, train_set, val_set)  # data.val_split's split, for a resume and val.py to reuse
     logger = RunLogger(run_dir, cfg, classes, (state.epoch, state.epoch * steps + state.step) if continuing else None,
                        resume and resume[1].get("trackers")) if RANK == 0 else None
-    when_failing(lambda: logger and logger.close("failed"))  # the trackers' runs end failed, with their record
     loop = Loop(OmegaConf.to_object(cfg), train_loader, val_loader, normalizer(cfg.data, device), mix,
                 build_criterion(cfg.train, train_set, device), dtype, vote, logger, run_dir,
                 OmegaConf.to_container(cfg), list(classes), len(train_set), getattr(train_set, "identity", None),
@@ -215,29 +214,20 @@ def train(cfg, vote, dtype, run_dir=None, resume=None, check=False):
         epoch_start = time.time()
         images_seen, stopped = train_one_epoch(loop, state, epoch, show_batch=not (epoch or state.step or resume))
         if stopped:
-            return stop_here(loop, epoch, state.step)
+            return end_stopped(logger, run_dir, epoch, state.step, steps)
         train_time = time.time() - epoch_start
         metrics = validate(loop, state)
         metrics.update({"epoch": epoch + 1, "train/loss": state.epoch_loss[0] / state.epoch_loss[1],
                         "lr/pg0": state.optimizer.param_groups[0]["lr"], "time/epoch": time.time() - epoch_start,
                         "time/img_s": images_seen / train_time})
         if end_epoch(loop, state, epoch, metrics) and epoch + 1 < cfg.train.epochs:  # a signal during validation
-            return stop_here(loop, epoch + 1, 0)
+            return end_stopped(logger, run_dir, epoch + 1, 0, steps)
         if out_of_patience(cfg.train.patience, state, cfg.train.epochs):
             break
     if logger:
-        viewers = logger.close()
         LOGGER.info(next_steps(run_dir, state, time.time() - start, held_out_folder(train_set, val_set), started_at,
-                               viewers))
+                               logger.close()))
     return state.best_score
-
-
-def stop_here(loop, epoch, step):
-    """The ranks agreed to stop on a signal, with last.pt saved: the record ends as stopped, and rank 0 says how to
-    resume. Returns None, train()'s value for a stopped run."""
-    if loop.logger:
-        loop.logger.close("stopped")
-    LOGGER.info(stopped_message(loop.run_dir, epoch, step, loop.loader.sampler.steps()[0]))
 
 
 def build_state(cfg, num_classes, device, dtype, steps, pretrained=True):

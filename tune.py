@@ -59,6 +59,7 @@ from utils.trackers import MLflowSweep, first_line, flat_params, sweep_environme
 
 ROOT = Path(__file__).resolve().parent
 HOST = socket.gethostname()
+SWEEP_FILES = ("trials.csv", "best.yaml", "history.png", "importances.png")  # what report() writes
 RANGE_KEYS, CHOICE_KEYS = {"low", "high", "log", "step"}, {"choices"}
 VERDICTS = (TrialState.COMPLETE, TrialState.PRUNED)  # the trials --trials counts: those that gave a verdict
 with warnings.catch_warnings():  # experimental in Optuna since 2.8
@@ -119,6 +120,7 @@ def main(argv=None):
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # tune.py says what became of each trial, in a line
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     previous = signal.signal(signal.SIGTERM, stop)
+    record = None
     try:
         if args.report:
             sweep, settings = Path(args.report), read_settings(Path(args.report))
@@ -132,9 +134,9 @@ def main(argv=None):
                                prune=not args.no_prune, heartbeat=args.heartbeat)
             record = sweep_record(study, sweep, settings)
             run_sweep(study, space, sweep, settings, args.trials, args.seed, args.heartbeat, record)
-            if record:
-                record.end()
         report(study, sweep, settings)
+        if record:  # the sweep's files on its MLflow run
+            record.end(study.best_trial, [sweep / n for n in SWEEP_FILES if (sweep / n).exists()])
     except UsageError as e:
         print(f"tune.py: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -319,7 +321,8 @@ def sweep_record(study, sweep, settings):
     recipe's log.to names mlflow, else None; W&B groups the trials' runs after the sweep (sweep_environment). An
     MLflow that cannot be reached is one line, and the sweep goes on without it (unless log.required)."""
     log = settings.get("resolved", {}).get("log", {})
-    sweep_environment(log.get("to", []), sweep)
+    if grouped := sweep_environment(log.get("to", []), sweep):
+        print(f"{colorstr('tune:')} W&B records each trial as a run of project {grouped[0]}, group {grouped[1]}")
     if "mlflow" not in log.get("to", []):
         return None
     try:

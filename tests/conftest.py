@@ -33,6 +33,8 @@ def pytest_configure(config):
     CPU (gloo) path, as CI runs it, also on a machine with GPUs: two processes on one GPU are not a launch nccl
     supports, and device=auto would pick CUDA. Set before torch first looks for a GPU."""
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU; run with python -m pytest -m cuda")
+    config.addinivalue_line("markers", "slow: launches training processes (most run torchrun); the edit-test loop "
+                                       "skips them with python -m pytest -m 'not slow'")
     markexpr = config.option.markexpr or ""
     if "cuda" not in markexpr or "not cuda" in markexpr:  # -m "not cuda" tests the CPU path too
         os.environ["CUDA_VISIBLE_DEVICES"] = ""

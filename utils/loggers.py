@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from utils.config import results_keys
+from utils.distributed import when_failing
 from utils.general import LOGGER, RANK, colorstr
 from utils.once import atomic_write
 from utils.plots import confusion_figure, figure_array, labelled_grid, results_figure, save_figure
@@ -59,22 +60,20 @@ class RunLogger:
         self.plots = PlotBudget(PLOT_SHARE)
         self.unplotted = None  # (global step, confusion matrix) of the last epoch logged, until plotted
         self.confusion = None  # the last epoch's confusion matrix, for the trackers' copy of its plot
-        self.upload_weights = cfg.log.weights
-        self.tb = None
-        if "tensorboard" not in cfg.log.to:
-            pass
-        elif done is None:
-            self.tb = SummaryWriter(str(run_dir))
+        self.upload_weights, self.closed = cfg.log.weights, False
+        self.tb = SummaryWriter(str(run_dir), purge_step=None if done is None else done[1] + 1) if (
+            "tensorboard" in cfg.log.to) else None
+        if self.tb and done is None:
             self.tb.add_text("recipe", textwrap.indent(OmegaConf.to_yaml(cfg), "    "))  # indented: shown as code
             self.write_hparams(cfg)
-        else:
-            self.tb = SummaryWriter(str(run_dir), purge_step=done[1] + 1)
         if done is not None:
             keep_rows(self.csv_path, done[0], self.columns)
         self.trackers = open_trackers(cfg.log.to, run_dir, flat_params(OmegaConf.to_container(cfg)), tracked,
                                       cfg.log.required)
-        places = ["results.csv", *(["TensorBoard"] if self.tb else []), *(t.where() for t in self.trackers)]
-        LOGGER.info(f"{colorstr('log:')} {', '.join(places)}")
+        when_failing(lambda: self.close("failed"))  # the trackers' runs end failed, with what they hold
+        if list(cfg.log.to) != ["tensorboard"]:  # where else than by default the run is recorded
+            places = ["results.csv", *(["TensorBoard"] if self.tb else []), *(t.where() for t in self.trackers)]
+            LOGGER.info(f"{colorstr('log:')} {', '.join(places)}")
 
     def tracked(self):
         """The trackers' run ids (tracker -> id), which checkpoints keep so that a resumed run continues them."""
@@ -183,7 +182,10 @@ class RunLogger:
     def close(self, status="finished"):
         """End the record: draw the plots of the last epoch if they are not yet drawn, close the TensorBoard writer,
         upload the plots, recipe.yaml and (log.weights) best.pt to the trackers and mark their runs finished,
-        stopped or failed. Returns the commands that show the record (tensorboard --logdir ...)."""
+        stopped or failed, once. Returns the commands that show the record (tensorboard --logdir ...)."""
+        if self.closed:
+            return []
+        self.closed = True
         if self.unplotted is not None and self.csv_path.exists():
             self.draw_plots()
         if self.tb:
@@ -193,7 +195,7 @@ class RunLogger:
             self.track(lambda t: t.upload(files))
             self.track(lambda t: t.end(status))
         return [*([f"tensorboard --logdir {shlex.quote(str(self.run_dir.parent))}"] if self.tb else []),
-                *(t.browse() for t in self.trackers)]
+                *filter(None, (t.browse() for t in self.trackers))]
 
     def artifacts(self, status):
         """The files the trackers keep: results.png, the last epoch's confusion matrix (confusion_matrix.png, drawn

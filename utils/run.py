@@ -166,6 +166,14 @@ def next_steps(run_dir, state, seconds, held_out, started_at=(0, 0), viewers=Non
             f"  python export.py --weights {best} --format onnx")
 
 
+def end_stopped(logger, run_dir, epoch, step, steps):
+    """Every rank agreed to stop on a signal, and last.pt holds where the run is: rank 0's record (logger, None on
+    the others) ends as stopped, and it says how to resume. Returns None, train()'s value for a stopped run."""
+    if logger:
+        logger.close("stopped")
+    LOGGER.info(stopped_message(run_dir, epoch, step, steps))
+
+
 def stopped_message(run_dir, epoch, step, steps):
     """What to say when every rank agreed to stop on a signal and last.pt holds where the run is."""
     return (f"\nStopped at epoch {epoch + 1 if step else epoch}, step {step or steps}/{steps}; saved "

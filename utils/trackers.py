@@ -10,10 +10,13 @@ logging, W&B's service process), so a slow server never holds a step, which the 
 import importlib.util
 import logging
 import os
+import re
 import shlex
 import shutil
 import time
 from pathlib import Path
+
+import yaml
 
 from utils.general import LOGGER, UsageError
 
@@ -45,22 +48,27 @@ def open_trackers(names, run_dir, params, ids=None, required=False):
         try:
             trackers.append(OPENERS[name](run_dir, params, (ids or {}).get(name)))
         except Exception as e:  # whatever the library raises for a server down, a bad URI, no account
-            reason = first_line(e)
+            reason = first_line(e) + ("; with no account: WANDB_MODE=offline" if "API key" in str(e) else "")
             if required:
                 raise UsageError(f"log.to: {TRACKERS[name]} cannot record this run ({reason}) and log.required=true; "
                                  f"fix it, or set log.required=false to train on without it") from None
-            LOGGER.warning(f"log.to: {TRACKERS[name]} cannot record this run ({reason}); training on with "
-                           f"results.csv and TensorBoard (log.required=true refuses to start instead)")
+            LOGGER.warning(f"log.to: {TRACKERS[name]} cannot record this run ({reason}); training on without it "
+                           f"(log.required=true refuses to start instead)")
     return trackers
 
 
-def first_line(error):
-    """An exception's first line, or its type's name where it says nothing."""
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+def first_line(error, most=200):
+    """An exception's first line, at most `most` characters, or its type's name where it says nothing; for a
+    connection that failed after retries (requests' long chain of wrappers), the OS's reason alone."""
+    text = str(error).strip()
+    if reason := re.search(r"Max retries exceeded.*?(\[Errno -?\d+\] [^'\"()]+)", text, re.S):
+        return reason[1].strip()
+    line = text.splitlines()[0] if text else type(error).__name__
+    return line if len(line) <= most else line[:most - 3] + "..."
 
 
 def flat_params(tree, prefix=""):
-    """A nested recipe dict as flat keys -> str values (lists as YAML writes them inline), as trackers take them."""
+    """A nested recipe dict as flat keys -> values, as trackers take them (TensorBoard's HParams, W&B's config)."""
     flat = {}
     for key, value in tree.items():
         if isinstance(value, dict):
@@ -81,17 +89,25 @@ class MLflowRun:
     def __init__(self, run_dir, params, run_id=None):
         self.mlflow, self.client, self.uri = mlflow_client(run_dir)
         self.sending = []  # the asynchronous log calls' operations, until waited for
-        run_id = os.environ.get("MLFLOW_RUN_ID") or run_id
-        if run_id:  # a resumed run, or a trial's that tune.py made
-            self.run_id = self.client.get_run(run_id).info.run_id
-            self.client.update_run(self.run_id, status="RUNNING")
+        try:
+            self.run_id = self.open_run(run_dir, os.environ.get("MLFLOW_RUN_ID") or run_id)
+            # A parameter, once logged, cannot change; a resumed run may change train.epochs and the like.
             logged = self.client.get_run(self.run_id).data.params
-        else:
-            experiment = mlflow_experiment(self.client, self.uri, run_dir.parent.name)
-            self.run_id = self.client.create_run(experiment, run_name=run_dir.name).info.run_id
-            logged = {}
-        # A parameter, once logged, cannot change; a resumed run may change train.epochs and the like.
-        log_params(self.mlflow, self.client, self.run_id, {k: v for k, v in params.items() if k not in logged})
+            log_params(self.mlflow, self.client, self.run_id, {k: v for k, v in params.items() if k not in logged})
+        except Exception as e:
+            raise RuntimeError(f"at {self.uri}: {first_line(e)}") from None
+
+    def open_run(self, run_dir, run_id):
+        """run_id's run (a resumed run's, or a trial's that tune.py made) marked running again, or a new run named
+        after run_dir, with MLflow's own tags of where it came from (user, script, git commit)."""
+        if run_id:
+            run_id = self.client.get_run(run_id).info.run_id
+            self.client.update_run(run_id, status="RUNNING")
+            return run_id
+        from mlflow.tracking.context.registry import resolve_tags
+
+        experiment = mlflow_experiment(self.client, self.uri, run_dir.parent.name)
+        return self.client.create_run(experiment, run_name=run_dir.name, tags=resolve_tags()).info.run_id
 
     @property
     def id(self):
@@ -156,8 +172,8 @@ def mlflow_experiment(client, uri, name):
 
 
 def log_params(mlflow, client, run_id, params):
-    """Log params (name -> value, as str) in MLflow's batches."""
-    batch = [mlflow.entities.Param(k, str(v)) for k, v in params.items()]
+    """Log params (name -> value) in MLflow's batches, lists as YAML writes them inline ([0.08, 1.0])."""
+    batch = [mlflow.entities.Param(k, param_text(v)) for k, v in params.items()]
     for i in range(0, len(batch), PARAMS_PER_CALL):
         client.log_batch(run_id, params=batch[i:i + PARAMS_PER_CALL])
 
@@ -199,16 +215,30 @@ class MLflowSweep:
         except Exception as e:
             LOGGER.warning(f"log.to: MLflow did not record trial {trial.number}'s end ({first_line(e)})")
 
-    def end(self):
+    def end(self, best, files):
+        """The sweep's end: its best trial's number and score, and files (trials.csv, best.yaml, plots)."""
+        self.client.set_tag(self.parent_id, "best_trial", str(best.number))
+        self.client.log_metric(self.parent_id, "best_value", best.value)
+        for path in files:
+            self.client.log_artifact(self.parent_id, str(path))
         self.client.set_terminated(self.parent_id, "FINISHED")
+
 
 
 def sweep_environment(names, sweep):
     """W&B's grouping of a sweep's trials: group after the sweep, project after tune.py's project folder (tune),
-    unless WANDB_RUN_GROUP and WANDB_PROJECT say."""
-    if "wandb" in names:
-        os.environ.setdefault("WANDB_RUN_GROUP", sweep.name)
-        os.environ.setdefault("WANDB_PROJECT", sweep.parent.name)
+    unless WANDB_RUN_GROUP and WANDB_PROJECT say; returns (project, group), or None without W&B."""
+    if "wandb" not in names:
+        return None
+    os.environ.setdefault("WANDB_RUN_GROUP", sweep.name)
+    os.environ.setdefault("WANDB_PROJECT", sweep.parent.name)
+    return os.environ["WANDB_PROJECT"], os.environ["WANDB_RUN_GROUP"]
+
+
+def param_text(value):
+    """A parameter's value as MLflow keeps it (text): lists and dicts as YAML inline, the rest as str()."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip() if isinstance(value, (list, dict)) \
+        else str(value)
 
 
 def default_mlflow_uri(run_dir):
@@ -247,8 +277,9 @@ class WandbRun:
         self.run.log(dict(metrics), step=step)
 
     def upload(self, paths):
-        """Copy files into the run's files folder, which W&B uploads with the run (run.save would link them)."""
-        for path in paths:
+        """Copy files into the run's files folder, which W&B uploads with the run (run.save would link them); none
+        with WANDB_MODE=disabled."""
+        for path in paths if self.run.settings.mode != "disabled" else []:
             shutil.copy2(path, Path(self.run.dir) / Path(path).name)
 
     def end(self, status):
@@ -256,9 +287,10 @@ class WandbRun:
         self.run.finish(exit_code={"finished": 0, "stopped": 143, "failed": 1}[status])
 
     def browse(self):
-        if self.run.settings.mode == "offline":
-            return f"wandb sync {shlex.quote(self.run.dir.removesuffix('/files'))}"
-        return f"open {self.run.url}"
+        if self.run.settings.mode == "offline":  # every launch's folder of the run, a resumed run's too
+            folder = Path(self.run.dir).parent
+            return f"wandb sync {shlex.quote(str(folder.parent))}/offline-run-*-{self.run.id}"
+        return f"open {self.run.url}" if self.run.settings.mode != "disabled" else None
 
 
 OPENERS = {"mlflow": MLflowRun, "wandb": WandbRun}
