@@ -110,6 +110,7 @@ def test_train_py_stops_on_an_unreadable_image_with_one_line(image_folder, tmp_p
     assert "Traceback" not in stderr
 
 
+@pytest.mark.slow
 def test_torchrun_stops_on_an_unreadable_image_and_names_it(image_folder, tmp_path):
     root = image_folder({"train": {"ant": 4, "bee": 4}, "val": {"ant": 2, "bee": 2}}, size=8)
     bad = random_bytes(root / "train" / "ant" / "bad.jpg")
@@ -119,6 +120,7 @@ def test_torchrun_stops_on_an_unreadable_image_and_names_it(image_folder, tmp_pa
                      rf"identify\); remove the file", result.stderr), result.stderr
 
 
+@pytest.mark.slow
 def test_a_new_run_that_fails_on_rank_1_before_saving_leaves_no_directory_and_keeps_earlier_runs(image_folder,
                                                                                                    tmp_path):
     root = image_folder({"train": {"ant": 4, "bee": 4}, "val": {"ant": 2, "bee": 2}}, size=8)
@@ -222,6 +224,7 @@ def test_skip_corrupt_leaves_the_digits_whole(tmp_path, log):
     assert (tmp_path / "digits" / ".verified-train.json").is_file()
 
 
+@pytest.mark.slow
 def test_train_py_skip_corrupt_trains_past_an_unreadable_image(image_folder, tmp_path, log):
     root = image_folder({"train": {"ant": 4, "bee": 4}, "val": {"ant": 2, "bee": 2}}, size=8)
     bad = random_bytes(root / "val" / "bee" / "bad.jpg")

@@ -1,5 +1,7 @@
 """The benchmarks' own arithmetic and argument checks (their measurements are run by hand: benchmarks/README.md)."""
 
+import pytest
+
 from benchmarks.digits_sweep import misses, tally
 from benchmarks.scale import (IMAGENET, IMAGENET_VAL, cache_write_estimates, fit, memory_estimates, startup_estimates,
                               verdict)
@@ -77,6 +79,7 @@ def test_scale_memory_and_cache_write_verdicts_on_the_recorded_figures_take_the_
     assert verdict(seconds, 120)[1:] == ("N=1", "met")  # the slowest rate measured, not the best
 
 
+@pytest.mark.slow
 def test_gpu_crops_times_both_crops_and_finds_their_pixels_within_a_grey_level():
     result = run_python("benchmarks/gpu.py", "--crops", "--images", "24", "--batch", "12", "--rounds", "1")
     assert result.returncode == 0, result.stderr[-3000:]

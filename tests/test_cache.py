@@ -53,6 +53,7 @@ def per_image_epoch(cfg, folder, ids, epoch):
 @pytest.mark.parametrize("keys", [dict(img_size=16, scale=[0.25, 1.0], hflip=0.5),
                                   dict(img_size=16, scale=[0.08, 0.3], hflip=0.5),
                                   dict(img_size=24, crop_padding=4, hflip=0.5)])
+@pytest.mark.slow
 def test_cache_draws_the_per_image_crop_and_flip_of_every_sample(tmp_path, keys):
     cfg = data_cfg(**keys)
     folder = ramp_folder(tmp_path, SIZES)

@@ -189,6 +189,7 @@ def cache_memory(n, side):
     print(json.dumps(dict(nbytes=cache.nbytes, rise=rise, right=right)))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_a_cache_takes_the_memory_of_its_pixels_while_it_is_built():
     # 60,000 images of 3 x 24 x 24: 99 MiB of pixels. Decoding each image into a tensor of its own and then packing

@@ -165,6 +165,7 @@ def test_bare_resume_followed_by_overrides_takes_them_as_overrides():
     assert train.parse_args(["--resume", "runs/train/exp", "train.epochs=30"]).resume == "runs/train/exp"
 
 
+@pytest.mark.slow
 def test_a_sigterm_during_a_start_up_fetch_ends_the_process_within_seconds(tmp_path):
     # A server that takes the connection and never answers: the top file's fetch waits up to its timeout (60 s) a
     # try, over 6 tries. A scheduler's SIGTERM there must end the process at once, as a Ctrl-C does: there is no step
@@ -222,6 +223,7 @@ def test_a_restart_never_takes_a_run_whose_id_is_the_bare_static_one(tmp_path, m
     assert ours.name == "exp2" and (ours / ".torchrun_id").read_text() == f"none:{os.uname().nodename}:{os.getppid()}"
 
 
+@pytest.mark.slow
 def test_a_static_rendezvous_restart_continues_its_own_run_not_another_static_jobs(tmp_path):
     # Two torchrun jobs under static rendezvous (--master-addr/--master-port, no --rdzv-id: both have the run id
     # 'none') train the same recipe in one project. The first finishes in exp; torchrun restarts the second's workers

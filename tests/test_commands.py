@@ -72,6 +72,7 @@ NOT_RUN = {
     "pip install -r requirements.txt -r requirements-export.txt -c requirements-lock.txt --extra-index-url "
     "https://download.pytorch.org/whl/cpu": "PyTorch's CPU index is not reachable here",
     "python -m pytest -m cuda": "needs a CUDA GPU",
+    "python -m pytest -q tests -m 'not slow'": "the suite's fast tier: this suite, which runs every test, holds it",
     "torchrun --nproc_per_node=8 train.py --recipe cls.yaml device=cuda": "needs 8 CUDA GPUs",
     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d "
     "--rdzv-endpoint=HOST:29500 --rdzv-id=job1 --max-restarts=3 train.py --recipe cls.yaml": "two machines",
@@ -337,6 +338,7 @@ def run_command(command, scratch_root, env, where):
                                    capture_output=True, text=True, timeout=300, start_new_session=True)
 
 
+@pytest.mark.slow
 def test_every_runnable_documented_command_runs_as_typed(scratch, tmp_path):
     """Each command of RUN, two at a time (most of a short run is starting Python and importing torch, one core)."""
     root, env = scratch

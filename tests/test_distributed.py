@@ -18,6 +18,7 @@ def uneven_report(tmp_path_factory):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_uneven_shares_keep_ranks_identical_and_validation_exact(uneven_report, case):
     # Rank 0 holds one sample more than rank 1, which runs out one step earlier: after its 1st, 2nd or 5th step;
@@ -41,6 +42,7 @@ def test_uneven_shares_keep_ranks_identical_and_validation_exact(uneven_report, 
             uneven_report["uneven"][case]["reference"]["class_counts"]
 
 
+@pytest.mark.slow
 def test_accumulation_all_reduces_once_per_step_and_matches_larger_micro_batches(uneven_report):
     two_processes = uneven_report["techniques"]["accumulate"]
     assert two_processes["steps"] == 2 * 3  # 20 images in global batches of 8: 3 steps per epoch
@@ -52,6 +54,7 @@ def test_accumulation_all_reduces_once_per_step_and_matches_larger_micro_batches
     assert torch.allclose(torch.tensor(two_processes["weights"]), torch.tensor(one_process["weights"]), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_mixup_cutmix_and_repeats_give_the_same_run_at_one_and_two_processes(uneven_report):
     two_processes = torch.tensor(uneven_report["techniques"]["mix_and_repeats"]["weights"])
     one_process = run_technique(TECHNIQUES["mix_and_repeats"])
@@ -60,6 +63,7 @@ def test_mixup_cutmix_and_repeats_give_the_same_run_at_one_and_two_processes(une
     assert (two_processes - unmixed).abs().max() > 1e-4  # the mixing itself took effect (100x the tolerance)
 
 
+@pytest.mark.slow
 def test_the_ram_caches_per_batch_crops_give_the_same_run_at_one_and_two_processes(uneven_report):
     two_processes = torch.tensor(uneven_report["techniques"]["plain"]["weights"])
     one_process = run_technique(TECHNIQUES["plain"])  # cls.yaml: data.cache=ram, random crops over data.scale
@@ -83,6 +87,7 @@ def bf16_hook_mean(local_gradients):
     return (halves[0] + halves[1]).float()
 
 
+@pytest.mark.slow
 def test_bf16_comm_hook_steps_with_the_bf16_rounded_mean_gradient(uneven_report):
     plain, bf16 = uneven_report["ddp_options"]["defaults"], uneven_report["ddp_options"]["bf16"]
     reference = bf16_hook_mean([rank["local"] for rank in bf16])
@@ -98,6 +103,7 @@ def test_bf16_comm_hook_steps_with_the_bf16_rounded_mean_gradient(uneven_report)
     assert 1e-6 < moved < 1e-3
 
 
+@pytest.mark.slow
 def test_bucket_size_and_gradient_views_leave_the_step_bit_identical(uneven_report):
     defaults, options = uneven_report["ddp_options"]["wide_defaults"], uneven_report["ddp_options"]["wide_buckets"]
     for rank, default in zip(options, defaults):

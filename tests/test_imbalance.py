@@ -137,11 +137,13 @@ def model(run_dir):
     return load_checkpoint(run_dir / "weights" / "last.pt")["model"]
 
 
+@pytest.mark.slow
 def test_the_loss_weighs_each_class_by_n_over_classes_times_count(runs):
     expected = torch.tensor([25 / (2 * 19), 25 / (2 * 6)])
     assert all(torch.equal(w, expected) for w in runs["weights"][:2]) and runs["weights"][2] is None
 
 
+@pytest.mark.slow
 def test_balanced_training_at_two_processes_is_what_one_trains_up_to_float_rounding(runs):
     one, two, plain = model(runs["n1"]), model(runs["n2"]), model(runs["plain"])
     for k in one:
@@ -149,6 +151,7 @@ def test_balanced_training_at_two_processes_is_what_one_trains_up_to_float_round
     assert max((one[k] - plain[k]).abs().max().item() for k in one) > 1e-3  # the balanced options change the run
 
 
+@pytest.mark.slow
 def test_balanced_top1_is_in_results_csv_exact_across_ranks_and_picks_best_pt(runs, tmp_path):
     header, rows = read_results(runs["n2"])
     assert "val/balanced_top1" in header and "val/ema_balanced_top1" not in header  # no EMA in this recipe
@@ -194,6 +197,7 @@ def test_best_pt_and_patience_follow_train_best_metric(image_folder, tmp_path, m
     assert "top1 90.00% balanced 50.00%" in log.text  # epoch 1's line
 
 
+@pytest.mark.slow
 def test_a_balanced_run_stopped_mid_epoch_and_resumed_ends_bit_identical(image_folder, tmp_path):
     root = image_folder({"train": {"a": 9, "b": 3}, "val": {"a": 2, "b": 1}}, size=8)
     recipe = [*RECIPE, *BALANCED, f"data.name={root}", "train.batch_size=4", "model.dropout=0.2", f"project={tmp_path}"]

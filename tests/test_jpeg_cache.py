@@ -271,6 +271,7 @@ def run_driver(root, cache, *fault, timeout=300):
     return result, writers
 
 
+@pytest.mark.slow
 def test_two_processes_write_each_file_together_and_it_holds_what_one_process_writes(root, tmp_path):
     result, writers = run_driver(root, tmp_path / "cache", "slow:all:0.05")  # both ranks in time to claim images
     assert result.returncode == 0, result.stderr[-3000:]
@@ -285,6 +286,7 @@ def test_two_processes_write_each_file_together_and_it_holds_what_one_process_wr
                                                                                    len(SIZES))
 
 
+@pytest.mark.slow
 def test_a_waiting_rank_outlasts_the_stall_limit_while_the_writer_progresses(root, tmp_path, monkeypatch):
     monkeypatch.setenv("CLS_STALL_SECONDS", "0.8")
     result, writers = run_driver(root, tmp_path / "cache", "slow:0:0.5")  # rank 0 makes progress every 0.5 s
@@ -292,6 +294,7 @@ def test_a_waiting_rank_outlasts_the_stall_limit_while_the_writer_progresses(roo
     assert writers[0][0] * 0.5 > 0.8  # rank 1, done with its share at once, waited on rank 0 longer than the limit
 
 
+@pytest.mark.slow
 def test_a_waiting_rank_stops_with_one_line_when_the_writer_makes_no_progress(root, tmp_path, monkeypatch):
     monkeypatch.setenv("CLS_STALL_SECONDS", "1")
     result, _ = run_driver(root, tmp_path / "cache", "hang:0", timeout=120)  # a stall never noticed times out
@@ -301,6 +304,7 @@ def test_a_waiting_rank_stops_with_one_line_when_the_writer_makes_no_progress(ro
         result.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_writer_that_fails_stops_the_others_at_once_and_leaves_no_temporary_file(root, tmp_path, monkeypatch):
     monkeypatch.setenv("CLS_STALL_SECONDS", "600")  # rank 0 stops on rank 1's failure, not on a stall
     result, _ = run_driver(root, tmp_path / "cache", "slow:0:0.2,fail:1", timeout=120)
@@ -327,6 +331,7 @@ def start_writing(root, cache):
     return writer, tmp[0]
 
 
+@pytest.mark.slow
 def test_a_killed_writers_temporary_file_is_removed_by_the_next_writer_and_the_cache_is_whole(root, tmp_path):
     cache = tmp_path / "cache"
     writer, leftover = start_writing(root, cache)
@@ -344,6 +349,7 @@ def test_a_killed_writers_temporary_file_is_removed_by_the_next_writer_and_the_c
         assert stored_images(tmp_path / "one" / name, len(SIZES)) == stored_images(cache / name, len(SIZES))
 
 
+@pytest.mark.slow
 def test_sigterm_while_the_cache_is_written_stops_at_once_leaving_no_file(root, tmp_path):
     cache = tmp_path / "cache"
     writer, _ = start_writing(root, cache)  # its SIGTERM deferred, as train.py's StopVote defers it
@@ -354,6 +360,7 @@ def test_sigterm_while_the_cache_is_written_stops_at_once_leaving_no_file(root, 
     assert cache_files(cache) == []  # neither the file, which the write would have completed, nor its temporary
 
 
+@pytest.mark.slow
 def test_machines_sharing_a_cache_dir_leave_its_files_to_one_writer_and_both_train_on_them(image_folder, tmp_path):
     data = image_folder({"train": {"a": 6, "b": 6}, "val": {"a": 2, "b": 2}})
     cache = tmp_path / "shared-disk"
@@ -371,6 +378,7 @@ def test_machines_sharing_a_cache_dir_leave_its_files_to_one_writer_and_both_tra
         assert open_cache(cache / name, count)[0]["writers"] == [count]  # whole: its footer and index check out
 
 
+@pytest.mark.slow
 def test_a_jpeg_cache_run_stopped_mid_epoch_resumes_bit_identical_and_val_py_agrees(image_folder, tmp_path):
     data = image_folder({"train": {"a": 9, "b": 8}, "val": {"a": 3, "b": 4}}, size=20)
     recipe = ["--recipe", "cls.yaml", f"data.name={data}", "data.cache=jpeg", "data.img_size=12",

@@ -142,6 +142,7 @@ def test_class_names_survive_into_the_val_table_and_predict_output(tmp_path, log
         [t["class"] for t in r["top"]] for r in rows]
 
 
+@pytest.mark.slow
 def test_val_split_is_stratified_seeded_and_written_with_the_run(tmp_path):
     root = class_folders(tmp_path / "data", 10)
     write_images(root / "hot dog" / "more", "hot dog", 5)  # nested folders belong to their class: 15 hot dogs
@@ -169,6 +170,7 @@ def test_val_split_holds_out_at_least_one_image_of_a_class_and_never_all(tmp_pat
         assert len(split["train"]) + len(split["val"]) == 16 and not set(split["train"]) & set(split["val"])
 
 
+@pytest.mark.slow
 def test_resume_and_val_keep_the_saved_split_after_files_are_added(tmp_path, log, capfd):
     root = class_folders(tmp_path / "data", 8)
     train.main([*TRAIN_ARGS, "train.epochs=1", f"data.name={root}", "data.val_split=0.25", f"project={tmp_path}"])
@@ -214,6 +216,7 @@ def test_val_without_the_saved_split_says_what_is_missing(tmp_path, capfd):
         f"test)\n")
 
 
+@pytest.mark.slow
 def test_val_split_under_torchrun_rank_0_splits_and_writes_and_every_rank_uses_its_split(tmp_path):
     root = class_folders(tmp_path / "data", 9)
     # tests/split_ranks.py: rank 1 cannot list hot dog/005.png; each rank writes the files of its train and val sets.
@@ -411,6 +414,7 @@ def test_csv_an_image_listed_with_two_labels_is_refused_and_repeats_and_overlap_
             f"them after training on them; list each image in one of the two") in log.text
 
 
+@pytest.mark.slow
 def test_ranks_that_list_different_images_stop_with_one_line_naming_them(tmp_path):
     root = split_folders(tmp_path / "data", "val")
     # tests/split_ranks.py: rank 1 cannot list hot dog/005.png (a copy that lags, a file added during start-up).

@@ -324,6 +324,7 @@ def n_runs(tmp_path_factory):
     return launch_n_invariance(base, data, "multilabel")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ("ram", "none"))
 def test_two_and_three_processes_train_and_score_what_one_does_up_to_float_rounding(n_runs, path):
     reference, losses = run_weights(n_runs["1"] / path), step_losses(n_runs["1"] / path)
@@ -367,6 +368,7 @@ def resumed(tmp_path_factory):
     return data, base / "straight", base / "stopped"
 
 
+@pytest.mark.slow
 def test_a_stopped_multilabel_run_resumes_to_bit_identical_weights_metrics_and_thresholds(resumed):
     _, straight, stopped = resumed
     for name in ("last.pt", "best.pt"):
@@ -381,6 +383,7 @@ def test_a_stopped_multilabel_run_resumes_to_bit_identical_weights_metrics_and_t
     assert rows[0] == rows[1] and len(rows[0]) == 2 and rows[0][0]["val/ema_map"] != ""
 
 
+@pytest.mark.slow
 def test_tensorboard_holds_results_csv_each_classs_ap_and_pr_curves_and_results_png_is_drawn(resumed):
     data, run, _ = resumed
     events = EventAccumulator(str(run), size_guidance={"scalars": 0, "tensors": 0}).Reload()
@@ -439,6 +442,7 @@ def check_against_sklearn(folder, probs, targets, thresholds):
         assert written == pytest.approx(expected, abs=1e-5, nan_ok=True), (folder.name, key)
 
 
+@pytest.mark.slow
 def test_val_py_reproduces_training_at_train_threshold_and_counts_each_image_once_at_two_processes(resumed, tmp_path,
                                                                                                     log):
     data, run, _ = resumed
@@ -497,6 +501,7 @@ def test_val_py_reproduces_training_at_train_threshold_and_counts_each_image_onc
         result.stderr
 
 
+@pytest.mark.slow
 def test_predict_lists_every_label_from_its_threshold_and_export_outputs_probabilities(resumed, tmp_path):
     data, run, _ = resumed
     weights = run / "weights" / "best.pt"
@@ -561,6 +566,7 @@ def test_best_pt_holds_the_thresholds_of_the_weights_it_holds(tmp_path):
 
 # --- the embedded set ---------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_torchrun_trains_multidigits_to_a_high_map_that_val_py_reproduces(tmp_path):
     result = run_torchrun("train.py", "--recipe", "multilabel.yaml", "train.epochs=3", f"project={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]

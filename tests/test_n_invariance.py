@@ -46,6 +46,7 @@ def runs(tmp_path_factory):
         return launch_n_invariance(base, data, f"shards={url}/shards")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_two_and_three_processes_train_what_one_does_up_to_float_rounding(runs, path):
     reference = run_weights(runs["1"] / path)
@@ -57,6 +58,7 @@ def test_two_and_three_processes_train_what_one_does_up_to_float_rounding(runs, 
         assert gap <= tolerance, f"N={n}: weights {gap:.2e} from N=1's, rounding {tolerance:.2e}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", PATHS)
 def test_every_process_count_takes_every_step_one_does_up_to_float_rounding(runs, path):
     reference = step_losses(runs["1"] / path)

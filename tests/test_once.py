@@ -124,6 +124,7 @@ with atomic_write(Path(sys.argv[1])) as tmp, open(tmp, "w") as out:
 """
 
 
+@pytest.mark.slow
 def test_a_writer_in_another_pid_namespace_keeps_its_temporary_file(tmp_path):
     """The issue's containers on one machine: one host name, pids of their own. The writer's pid (in its name) runs
     nowhere out here, yet the writer lives: a write out here of the same path keeps its file, and both end whole."""
@@ -174,6 +175,7 @@ def test_a_waiter_stops_naming_the_writer_whose_progress_stopped_not_itself(monk
                                     "local rank 0 downloading weights", 1, "node-b")
 
 
+@pytest.mark.slow
 def test_a_waiter_stops_naming_a_writer_on_another_machine_that_gives_no_sign_of_life(monkeypatch):
     monkeypatch.setattr(utils.once, "STALL_SECONDS", 5)  # ten times the liveness limit: a stall would be a failure
     monkeypatch.setattr(utils.once, "LIVENESS_SECONDS", 0.5)
@@ -192,6 +194,7 @@ def test_a_waiter_stops_naming_a_writer_on_another_machine_that_gives_no_sign_of
                                     "file", 1, "node-b")
 
 
+@pytest.mark.slow
 def test_a_waiter_stops_with_one_line_when_the_jobs_store_is_gone(monkeypatch):
     monkeypatch.setattr(utils.once, "STALL_SECONDS", 600)
     port = closed_port()
@@ -210,6 +213,7 @@ def test_a_waiter_stops_with_one_line_when_the_jobs_store_is_gone(monkeypatch):
         wait_for(store, "job", "waiting for every machine's train cache file")
 
 
+@pytest.mark.slow
 def test_a_waiter_outlasts_the_stall_limit_while_the_writer_reports_progress(monkeypatch):
     monkeypatch.setattr(utils.once, "STALL_SECONDS", 0.5)
     store, reports = local_store(), 15

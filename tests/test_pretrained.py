@@ -144,6 +144,7 @@ def test_a_failed_download_names_the_weights_url_and_cache_file_and_leaves_nothi
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_offline_a_file_placed_in_the_cache_starts_the_run_and_preprocessing_follows_it(torch_home, image_folder,
                                                                                        tmp_path, monkeypatch, log):
     torch_home.parent.mkdir(parents=True)
@@ -191,6 +192,7 @@ def tiny(tmp_path_factory):
                                                                       "val": {"a": 3, "b": 4}})
 
 
+@pytest.mark.slow
 def test_two_processes_download_once_per_machine_and_every_rank_reads_the_cache(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # the launched processes' environment
     source, cache = tmp_path / "weights.pth", tmp_path / "torch" / "hub" / "checkpoints" / "resnet18-f37072fd.pth"
@@ -258,6 +260,7 @@ def test_fine_tuning_controls_act_with_model_weights_only(log):
     assert fine_tuning(model_cfg(name="convnet", weights="w.pt"), 3, model) == (None, 1.0, 0)
 
 
+@pytest.mark.slow
 def test_frozen_epochs_hold_the_pretrained_weights_and_statistics_and_resume_exactly_across_the_boundary(tiny,
                                                                                                         tmp_path):
     weights = tmp_path / "pretrained.pt"
@@ -396,6 +399,7 @@ def test_a_server_that_never_answers_fails_the_download_after_the_read_timeout_a
     assert reported == [] and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_trickling_weights_server_ends_at_its_rate_bound_naming_the_url_and_reports_each_byte_as_it_comes(
         torch_home, monkeypatch):
     monkeypatch.setattr(models.pretrained, "READ_TIMEOUT", 0.5)  # a byte every 0.05 s: each read is answered in time
@@ -417,6 +421,7 @@ def test_a_trickling_weights_server_ends_at_its_rate_bound_naming_the_url_and_re
     assert list(torch_home.parent.iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proxy", ["https_proxy", "http_proxy"])
 def test_a_silent_proxy_fails_the_run_with_one_line_naming_the_url(proxy, silent_server, torch_home, image_folder,
                                                                    tmp_path, monkeypatch):

@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, clean_env, make_image_folder, run_torchrun
 from test_resume import free_port
 
@@ -53,6 +55,7 @@ def assert_reported(nodes, failed_rank, line):
     assert "]: Traceback" not in out0 + out1  # no rank's traceback of a collective broken by the failed rank
 
 
+@pytest.mark.slow
 def test_an_unwritable_jpeg_cache_dir_on_one_machine_reaches_both_consoles(tmp_path):
     data = make_image_folder(tmp_path / "data", {"train": {"a": 6, "b": 6}, "val": {"a": 2, "b": 2}})
     (tmp_path / "a_regular_file").write_text("")
@@ -66,6 +69,7 @@ def test_an_unwritable_jpeg_cache_dir_on_one_machine_reaches_both_consoles(tmp_p
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("*.pt"))
 
 
+@pytest.mark.slow
 def test_a_ram_cache_over_one_machines_budget_reaches_both_consoles(tmp_path):
     data = make_image_folder(tmp_path / "data", {"train": {"a": 6, "b": 6}, "val": {"a": 2, "b": 2}}, size=64)
     # Node 1's rank 3 sees a machine with 1 MiB available: its cache of 12 64x64 images (147 KiB) is over its
@@ -78,6 +82,7 @@ def test_a_ram_cache_over_one_machines_budget_reaches_both_consoles(tmp_path):
     assert_reported(nodes, 3, line)
 
 
+@pytest.mark.slow
 def test_a_machine_whose_cache_writer_is_killed_is_named_by_the_other_machine_within_seconds(tmp_path, monkeypatch):
     monkeypatch.setenv("CLS_STALL_SECONDS", "600")  # what ends node 0 is rank 1's silence, not a stall
     monkeypatch.setenv("CLS_LIVENESS_SECONDS", "5")
@@ -95,6 +100,7 @@ def test_a_machine_whose_cache_writer_is_killed_is_named_by_the_other_machine_wi
     assert "train.py: error:" not in out0  # rank 0 does not blame itself
 
 
+@pytest.mark.slow
 def test_a_hung_cache_writer_is_named_as_the_one_that_made_no_progress(tmp_path, monkeypatch):
     monkeypatch.setenv("CLS_STALL_SECONDS", "5")
     data = make_image_folder(tmp_path / "data", {"train": {"a": 6, "b": 6}, "val": {"a": 2, "b": 2}})
@@ -118,6 +124,7 @@ def test_a_hung_cache_writer_is_named_as_the_one_that_made_no_progress(tmp_path,
         result.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_rank_that_hangs_on_another_machine_is_named_there_and_ends_with_its_agent(tmp_path):
     data = make_image_folder(tmp_path / "data", {"train": {"a": 6, "b": 6}, "val": {"a": 2, "b": 2}})
     # One process a node; node 1's rank 1 hangs, alive, at its 2nd vote (epoch 1, step 2): rank 0 names it, and it

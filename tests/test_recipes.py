@@ -87,6 +87,7 @@ def standin_overrides(name, tmp_path, monkeypatch, request, runs):
     return [*overrides, "train.epochs=1", "data.workers=0", f"project={runs}"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(STAND_INS))
 def test_recipe_trains_two_steps_and_validates_on_a_stand_in(name, tmp_path, monkeypatch, request, runs, log):
     assert load_recipe(name, model_check=check_model_name)  # validates as written

@@ -79,6 +79,7 @@ def position(run_dir):
     return ckpt["epoch"], ckpt["step"]
 
 
+@pytest.mark.slow
 def test_one_process_stopped_and_killed_at_any_moment_resumes_to_bit_identical_weights(data, reference, tmp_path):
     run_dir = tmp_path / "exp"
     # 1. Ctrl-C (SIGINT to the process group, DataLoader worker included) during step 1: stops after step 2.
@@ -110,6 +111,7 @@ def test_one_process_stopped_and_killed_at_any_moment_resumes_to_bit_identical_w
     assert "epochs: 4" in (run_dir / "recipe.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_two_processes_preempted_killed_and_out_of_disk_resume_to_bit_identical_weights(data, reference, tmp_path):
     run_dir = tmp_path / "exp"
     # 1. Rank 0 sends SIGTERM to the process group (torchrun and both ranks, as a scheduler's preemption does)
@@ -137,6 +139,7 @@ def test_two_processes_preempted_killed_and_out_of_disk_resume_to_bit_identical_
     assert_same_run(run_dir, reference[2])
 
 
+@pytest.mark.slow
 def test_torchrun_restarts_a_killed_worker_and_continues_the_same_run(data, reference, tmp_path):
     # Rank 1's votes: epoch 1 has 5 (steps 1 and 2, the settle before the mid-epoch save, after the loop, after
     # validation); its 8th is at step 2 of epoch 2, just after that epoch's mid-epoch save at step 1.
@@ -153,6 +156,7 @@ def root_cause(stderr):
     return stderr.split("Root Cause (first observed failure):")[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("frozen", [1, 0])
 def test_a_rank_frozen_mid_training_is_named_in_seconds_and_the_run_resumes_exactly(data, reference, tmp_path,
                                                                                      frozen):
@@ -176,6 +180,7 @@ def test_a_rank_frozen_mid_training_is_named_in_seconds_and_the_run_resumes_exac
     assert_same_run(tmp_path / "exp", reference[2])
 
 
+@pytest.mark.slow
 def test_a_rank_whose_main_thread_hangs_is_named_and_ends_itself(data, tmp_path):
     # Rank 1's main thread sleeps at its 2nd vote (epoch 1, step 2) while its watch thread lives: rank 0 finds it
     # standing still behind it, and rank 1 ends on being named, as torchrun's root cause.
@@ -188,6 +193,7 @@ def test_a_rank_whose_main_thread_hangs_is_named_and_ends_itself(data, tmp_path)
     assert "rank      : 1 (local_rank: 1)" in cause and "exitcode  : 2" in cause and line in cause, cause
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0])
 def test_ranks_frozen_at_random_moments_under_torchrun_restarts_end_bit_identical(data, reference, tmp_path, seed):
     # Three attempts, each frozen at a random vote of a random rank (the ranks are named and ended, torchrun starts
@@ -205,6 +211,7 @@ def test_ranks_frozen_at_random_moments_under_torchrun_restarts_end_bit_identica
     assert_same_run(tmp_path / "exp", reference[2])
 
 
+@pytest.mark.slow
 def test_non_finite_loss_on_one_rank_stops_every_rank_and_keeps_the_last_good_checkpoint(data, tmp_path):
     # Rank 1 takes 2 steps per epoch: its 5th loss is in epoch 3, step 1.
     result = launch(2, "tests/faults.py", "nan-loss-at-step:5:1", "train.py", *RECIPE, f"data.name={data}",
@@ -222,6 +229,7 @@ def free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_group_norm_gives_the_same_step_at_1_two_nodes_and_3_processes(tmp_path):
     # 13 images in global batches of 6: the last step holds one image, which rank 0 takes at any N; at 2 and 3
     # processes the other ranks have run out. Its gradient must still be the mean over that step's samples.
@@ -246,6 +254,7 @@ def test_group_norm_gives_the_same_step_at_1_two_nodes_and_3_processes(tmp_path)
         assert all(torch.allclose(one[k], other[k], rtol=1e-5, atol=1e-6) for k in one), name
 
 
+@pytest.mark.slow
 def test_best_pt_holds_the_better_of_the_weights_and_their_ema(reference):
     sources = []
     for run_dir in reference.values():

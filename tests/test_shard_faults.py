@@ -48,6 +48,7 @@ def served_file(shard_set, shard):
     return shard_set / "shards" / "train" / Path(shard["url"]).name
 
 
+@pytest.mark.slow
 def test_a_transfer_cut_short_is_fetched_again_and_one_always_cut_is_named(shard_set, tmp_path, quick_retries):
     with http_server(shard_set, cut_first=2) as (url, _):
         shard = open_shard_set(f"{url}/shards")[1]["train"].shards[0]
@@ -64,6 +65,7 @@ def test_a_transfer_cut_short_is_fetched_again_and_one_always_cut_is_named(shard
     assert list((tmp_path / "cache-2").iterdir()) == []  # no half shard, and no lock file either
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("no_length", [False, True])
 def test_a_trickling_server_fails_each_try_after_its_time(shard_set, tmp_path, quick_retries, monkeypatch, no_length):
     monkeypatch.setattr(shard_sets, "FETCH_TIMEOUT", 0.3)  # each try: 0.3 s + the size at FETCH_MIN_RATE, 1 GB/s here
@@ -81,6 +83,7 @@ def test_a_trickling_server_fails_each_try_after_its_time(shard_set, tmp_path, q
     assert " s: slower than 1,000,000 kB/s on average); check the server" in str(error.value), str(error.value)
 
 
+@pytest.mark.slow
 def test_a_server_sending_its_answer_a_byte_at_a_time_fails_each_try_at_its_deadline(tmp_path, quick_retries,
                                                                                        monkeypatch):
     monkeypatch.setattr(shard_sets, "FETCH_TIMEOUT", 0.3)  # each read is answered in time: the whole try is not
@@ -105,6 +108,7 @@ def dead_pid():
     return process.pid
 
 
+@pytest.mark.slow
 def test_a_tmp_file_left_by_a_killed_fetch_is_removed_by_the_next(shard_set, tmp_path):
     with http_server(shard_set) as (url, _):
         shard = open_shard_set(f"{url}/shards")[1]["train"].shards[0]
@@ -117,6 +121,7 @@ def test_a_tmp_file_left_by_a_killed_fetch_is_removed_by_the_next(shard_set, tmp
     assert not stale.exists() and (tmp_path / "cache" / name).is_file()
 
 
+@pytest.mark.slow
 def test_a_cache_folder_that_cannot_hold_the_shards_is_named_not_the_server(shard_set, tmp_path):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file")
@@ -140,6 +145,7 @@ def test_a_cache_folder_that_cannot_hold_the_shards_is_named_not_the_server(shar
                                      f"with room"), result.stdout + result.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_cached_shard_removed_before_it_is_opened_is_fetched_again(shard_set, tmp_path, monkeypatch):
     with http_server(shard_set) as (url, _):
         split = open_shard_set(f"{url}/shards")[1]["train"]
@@ -161,6 +167,7 @@ def test_a_cached_shard_removed_before_it_is_opened_is_fetched_again(shard_set, 
     assert first in members(served_file(shard_set, split.shards[0])).values()
 
 
+@pytest.mark.slow
 def test_a_cached_copy_damaged_on_this_disk_is_named_and_removed_then_fetched_again(shard_set, tmp_path):
     with http_server(shard_set) as (url, _):
         split = open_shard_set(f"{url}/shards")[1]["train"]
@@ -178,6 +185,7 @@ def test_a_cached_copy_damaged_on_this_disk_is_named_and_removed_then_fetched_ag
         assert ShardSamples(split, cache).image_bytes(0) in members(served_file(shard_set, split.shards[0])).values()
 
 
+@pytest.mark.slow
 def test_a_local_shard_cut_short_or_missing_is_named(shard_set, tmp_path):
     local = tmp_path / "shards"
     shutil.copytree(shard_set / "shards", local)
@@ -201,6 +209,7 @@ def test_a_local_shard_cut_short_or_missing_is_named(shard_set, tmp_path):
     assert result.stderr.strip().endswith(f"data.name: {shard}: the shard index names it, but it is not there")
 
 
+@pytest.mark.slow
 def test_a_server_down_at_the_start_is_said_try_by_try_then_named_with_data_name(tmp_path, quick_retries):
     top = f"http://127.0.0.1:{closed_port()}/shards/dataset.json"
     result = run_python("train.py", *RECIPE, f"data.name={top}", f"project={tmp_path}")
@@ -238,6 +247,7 @@ def test_a_server_that_does_not_answer_is_said_while_each_try_waits(log, quick_r
                                 f"server and data.name")
 
 
+@pytest.mark.slow
 def test_a_host_that_does_not_resolve_is_named_at_once(tmp_path):
     result = run_python("train.py", *RECIPE, "data.name=http://no-such-host.invalid/shards", f"project={tmp_path}")
     assert result.returncode == 2, result.stderr[-3000:]
@@ -271,6 +281,7 @@ def changed_copy(shard_set, tmp_path, change):
     (lambda top, index: index["shardlist"][0]["sizes"].__setitem__(0, ["a", 1]),
      "train-000000.tar: its sizes are not [height, width] pairs of pixels"),
 ])
+@pytest.mark.slow
 def test_a_top_file_or_index_without_a_key_is_named(shard_set, tmp_path, change, message):
     local = changed_copy(shard_set, tmp_path, change)
     with pytest.raises(DatasetError) as error:
@@ -309,6 +320,7 @@ def shard_field(k, field, value):
      "its train split's index '../shards/train/index.json' climbs out of its folder ('..')"),
     (lambda top, index: top["images"].update(val=-6), "its images are not a count from 0 to 1000000000 per split"),
 ])
+@pytest.mark.slow
 def test_a_hostile_top_file_or_index_is_refused_naming_the_file_shard_and_field(shard_set, tmp_path, change,
                                                                                 message):
     local = changed_copy(shard_set, tmp_path, change)
@@ -326,6 +338,7 @@ def test_a_hostile_top_file_or_index_is_refused_naming_the_file_shard_and_field(
     (lambda text: text.replace("{", '{"long": ' + "9" * 5000 + ", ", 1), "Exceeds the limit (4300 digits) for "
                                                                          "integer string conversion"),
 ])
+@pytest.mark.slow
 def test_a_top_file_or_index_nested_too_deep_or_with_a_number_too_long_ends_the_run_in_one_line(
         shard_set, tmp_path, file, what, change, reason):
     local = tmp_path / "shards"
@@ -337,6 +350,7 @@ def test_a_top_file_or_index_nested_too_deep_or_with_a_number_too_long_ends_the_
                                     f"or too long to read ({reason}"), result.stderr
 
 
+@pytest.mark.slow
 def test_an_index_s_digest_that_names_a_path_writes_and_reads_nothing_outside_the_cache(shard_set, tmp_path):
     """The issue's repro: a cache name built from sha256[:16] unchecked left data.cache_dir."""
     copy = tmp_path / "served"
@@ -362,6 +376,7 @@ def test_an_index_s_digest_that_names_a_path_writes_and_reads_nothing_outside_th
     assert not cache.copy_of(f"{url}/shards/train/index.json").exists()  # the bad index is not kept either
 
 
+@pytest.mark.slow
 def test_a_shard_server_that_sends_without_end_or_announces_another_size_is_stopped(shard_set, tmp_path,
                                                                                       quick_retries, monkeypatch):
     with http_server(shard_set, endless=".tar") as (url, _):
@@ -394,6 +409,7 @@ def test_a_shard_server_that_sends_without_end_or_announces_another_size_is_stop
                                 f"shard index is read up to 1000 B")
 
 
+@pytest.mark.slow
 def test_shards_and_indexes_on_another_host_are_refused_unless_data_shard_hosts_names_it(shard_set, tmp_path):
     copy = tmp_path / "served"
     shutil.copytree(shard_set, copy)
@@ -433,6 +449,7 @@ def test_shards_and_indexes_on_another_host_are_refused_unless_data_shard_hosts_
                                 f"add localhost:{port} to data.shard_hosts to fetch from it")
 
 
+@pytest.mark.slow
 def test_the_cache_budget_counts_the_shards_being_fetched(shard_set, tmp_path, monkeypatch):
     """A fetch under way holds its shard's size in data.shard_cache_gb, so fetches at the same time stay within it."""
     downloading, go_on = threading.Event(), threading.Event()
@@ -479,6 +496,7 @@ with open(temporary(path), "wb") as out:
 """
 
 
+@pytest.mark.slow
 def test_a_fetch_waits_on_another_s_lock_while_its_file_grows_then_stops_naming_it_and_the_shard(shard_set, tmp_path,
                                                                                                  monkeypatch):
     monkeypatch.setattr(utils.once, "STALL_SECONDS", 0.5)
@@ -505,6 +523,7 @@ def test_a_fetch_waits_on_another_s_lock_while_its_file_grows_then_stops_naming_
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [path.name]  # its temporary and the locks removed
 
 
+@pytest.mark.slow
 def test_a_killed_fetch_s_temporary_file_holds_no_room_in_the_cache_budget(shard_set, tmp_path):
     with http_server(shard_set) as (url, _):
         a, b, c = open_shard_set(f"{url}/shards")[1]["train"].shards[:3]
@@ -520,6 +539,7 @@ def test_a_killed_fetch_s_temporary_file_holds_no_room_in_the_cache_budget(shard
     assert sorted(p.name.split("-", 1)[1] for p in folder.iterdir()) == ["train-000000.tar", "train-000001.tar"]
 
 
+@pytest.mark.slow
 def test_a_local_set_moved_before_a_resume_is_resumed_from_its_new_place(shard_set, tmp_path):
     local, moved = tmp_path / "shards", tmp_path / "elsewhere" / "shards"
     shutil.copytree(shard_set / "shards", local)
@@ -544,6 +564,7 @@ def mpo_file(path):
     return path.read_bytes()
 
 
+@pytest.mark.slow
 def test_the_writer_stores_a_camera_mpo_as_jpg_a_gif_as_png_and_refuses_a_jpeg_cut_short(tmp_path):
     data = tmp_path / "data"
     for i in range(3):
@@ -586,6 +607,7 @@ def test_the_writer_stops_at_a_bad_image_without_reading_all_the_others(tmp_path
     assert len(read) <= 5 * shards.cpu_count() + 1, len(read)  # pool.map would read all 2001 first
 
 
+@pytest.mark.slow
 def test_a_fetched_shard_without_an_image_member_is_named_and_its_copy_kept(shard_set, tmp_path):
     """As an older writer stored a camera's photo in val: 000000000.mpo, an extension the reader does not know."""
     copy = tmp_path / "served"
@@ -612,6 +634,7 @@ def test_a_fetched_shard_without_an_image_member_is_named_and_its_copy_kept(shar
     assert Path(cache.local(split.shards[0])).is_file()  # the copy is the shard as written: kept
 
 
+@pytest.mark.slow
 def test_an_index_is_parsed_into_arrays_at_a_few_times_its_bytes_not_a_dozen(tmp_path):
     rng = np.random.default_rng(0)
     n = 200_000  # per shard of 20: the writers' compact JSON, about 28 bytes a sample

@@ -73,6 +73,7 @@ def png_file(path, size=(9, 9), value=60):
     return path.read_bytes()
 
 
+@pytest.mark.slow
 def test_the_writer_stores_jpegs_untouched_reencodes_the_rest_and_indexes_every_shard(tmp_path):
     data = tmp_path / "data"
     jpeg = jpeg_file(data / "train" / "cat" / "a.jpg")
@@ -110,6 +111,7 @@ def test_the_writer_stores_jpegs_untouched_reencodes_the_rest_and_indexes_every_
     assert members(val_shard) == {"000000000.png": val_png, "000000000.cls": b"0"}  # val: as it is
 
 
+@pytest.mark.slow
 def test_the_writer_splits_class_folders_and_reads_csv_lists(tmp_path):
     data = tmp_path / "folders"
     for c in "ab":
@@ -135,6 +137,7 @@ def test_the_writer_splits_class_folders_and_reads_csv_lists(tmp_path):
     assert val_index["shardlist"][0]["labels"] == [1]  # y, of the classes [x, y]
 
 
+@pytest.mark.slow
 def test_the_writer_leaves_nothing_behind_when_an_image_is_unreadable_and_never_overwrites(tmp_path):
     data = tmp_path / "data"
     png_file(data / "train" / "a" / "0.png")
@@ -177,6 +180,7 @@ def test_the_writers_errors_name_its_own_flags_and_exit_2(layout, flags, line, t
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_run_over_http_stopped_mid_epoch_resumes_bit_identically_and_val_py_reproduces_it(shard_set, tmp_path,
                                                                                              run_over_http):
     reference = run_over_http["train"]
@@ -202,12 +206,14 @@ def test_a_run_over_http_stopped_mid_epoch_resumes_bit_identically_and_val_py_re
     assert metrics["images"] == 6 and abs(metrics["top1"] - best) < 1e-9
 
 
+@pytest.mark.slow
 def test_val_py_on_a_run_trained_over_http_fetches_the_top_file_and_its_split_s_index_not_the_cached_shards(
         run_over_http):
     assert [path for path, _ in run_over_http["gets"]] == ["/shards/dataset.json", "/shards/val/index.json"]
     assert run_over_http["metrics"]["images"] == 6
 
 
+@pytest.mark.slow
 def test_val_py_with_the_server_down_evaluates_the_run_from_the_copies_and_shards_in_its_node_cache(run_over_http):
     url, base = run_over_http["url"], run_over_http["base"]
     result = run_python("val.py", "--weights", run_over_http["run"] / "weights" / "best.pt", f"--project={base}/down")
@@ -228,6 +234,7 @@ def digest(url):
     return hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
+@pytest.mark.slow
 def test_val_py_names_its_data_option_when_the_set_cannot_be_fetched(run_over_http, monkeypatch):
     monkeypatch.setenv("CLS_FETCH_BACKOFF", "0.01")
     top = f"http://127.0.0.1:{closed_port()}/shards/dataset.json"
@@ -240,6 +247,7 @@ def test_val_py_names_its_data_option_when_the_set_cannot_be_fetched(run_over_ht
                                      f"(Connection refused); check the server and --data")
 
 
+@pytest.mark.slow
 def test_a_server_that_dies_mid_run_stops_it_with_one_line_and_a_resume_goes_on(shard_set, tmp_path, monkeypatch):
     monkeypatch.setenv("CLS_FETCH_BACKOFF", "0.01")
     # A cache of 100 kB, about 9 of the 19 shards (of 10 kB: a tar file takes at least that): epoch 2 fetches again
@@ -275,6 +283,7 @@ def damaged_copy(shard_set, tmp_path, shard="train-000003.tar"):
     return copy
 
 
+@pytest.mark.slow
 def test_the_node_cache_keeps_its_budget_removing_the_shard_least_recently_opened(shard_set, tmp_path):
     with http_server(shard_set) as (url, _):
         a, b, c = open_shard_set(f"{url}/shards")[1]["train"].shards[:3]
@@ -288,6 +297,7 @@ def test_the_node_cache_keeps_its_budget_removing_the_shard_least_recently_opene
     assert Path(paths[a["url"]]).read_bytes() == (shard_set / "shards" / "train" / "train-000000.tar").read_bytes()
 
 
+@pytest.mark.slow
 def test_reading_a_window_fetches_the_next_windows_shards_before_they_are_read_each_once(shard_set, tmp_path):
     log, cache = tmp_path / "gets.log", tmp_path / "cache"
 
@@ -319,6 +329,7 @@ def test_reading_a_window_fetches_the_next_windows_shards_before_they_are_read_e
         assert sorted(fetched()) == sorted(names[0] | names[1] | names[2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keeper", [True, False])
 def test_only_the_machines_keeper_fetches_ahead_and_keeps_the_indexes_copies(shard_set, tmp_path, keeper):
     # The caller says which process keeps the machine's cache (its local rank 0): the others read what they need.
@@ -336,6 +347,7 @@ def test_only_the_machines_keeper_fetches_ahead_and_keeps_the_indexes_copies(sha
     assert len(list(folder.glob("copy-*.json"))) == (3 if keeper else 0)  # the top file and both indexes
 
 
+@pytest.mark.slow
 def test_a_damaged_shard_is_named_fetched_or_read_in_place(shard_set, tmp_path):
     copy = damaged_copy(shard_set, tmp_path)
     with http_server(copy) as (url, _):
@@ -354,6 +366,7 @@ def test_a_damaged_shard_is_named_fetched_or_read_in_place(shard_set, tmp_path):
             "does not match its CRC-32: the shard is damaged" in result.stderr), result.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_resume_on_a_changed_shard_set_is_refused_naming_what_changed(shard_set, tmp_path):
     local = tmp_path / "shards"
     shutil.copytree(shard_set / "shards", local)
@@ -373,6 +386,7 @@ def test_a_resume_on_a_changed_shard_set_is_refused_naming_what_changed(shard_se
     assert "shard(s) removed (" in line and line.endswith("; resume with the shards it trained on, or start a new run")
 
 
+@pytest.mark.slow
 def test_keys_a_shard_set_cannot_take_are_refused_before_any_work(shard_set, tmp_path):
     for key, value in (("data.cache", "ram"), ("data.val_split", "0.2")):
         result = run_python("train.py", *RECIPE, f"data.name={shard_set}/shards", f"{key}={value}",
@@ -407,6 +421,7 @@ def image_bytes(kind, value):
     return buffer.getvalue()
 
 
+@pytest.mark.slow
 def test_shards_another_tool_wrote_are_indexed_in_place_and_train(tmp_path):
     src = tmp_path / "webdataset"
     train = [[(f"part{t}/s{t}{i:02d}", image_bytes("JPEG", 20 * i), "cat" if i % 2 else "dog") for i in range(6)]

@@ -26,6 +26,7 @@ def root_cause(stderr):
     return dict(re.findall(r"^  (\w+) *: (.*)$", entry, flags=re.M))
 
 
+@pytest.mark.slow
 def test_a_usage_error_one_rank_meets_is_torchruns_root_cause_as_one_line(tmp_path):
     data = make_image_folder(tmp_path / "data", {"train": {"a": 6, "b": 6}, "val": {"a": 2, "b": 2}}, size=64)
     # Rank 1 alone sees a machine with 0.3 MiB available: its RAM cache of 12 64x64 images is over its budget. And it
@@ -45,6 +46,7 @@ def test_a_usage_error_one_rank_meets_is_torchruns_root_cause_as_one_line(tmp_pa
     assert result.returncode == 1  # torchrun's own code for a failed worker
 
 
+@pytest.mark.slow
 def test_a_rank_that_fails_while_the_others_wait_in_a_collective_that_never_breaks_ends_them_all(tmp_path):
     # Rank 0 waits for ever where rank 1 fails (as in a GPU collective with a rank that left); rank 1 is slow to say
     # its error, and val.py, unlike train.py, lets torchrun's SIGTERM end a rank at once.
@@ -61,6 +63,7 @@ def test_a_rank_that_fails_while_the_others_wait_in_a_collective_that_never_brea
     assert project_frames(result.stderr) == [] and result.returncode == 1, result.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_ctrl_c_under_torchrun_is_said_once_saves_and_ends_with_code_1(tmp_path):
     data = make_image_folder(tmp_path / "data", {"train": {"a": 6, "b": 6}, "val": {"a": 2, "b": 2}})
     # Ctrl-C in the terminal reaches torchrun alone (its workers run in sessions of their own); it passes SIGINT on.
@@ -82,6 +85,7 @@ def test_ctrl_c_under_torchrun_is_said_once_saves_and_ends_with_code_1(tmp_path)
 STARTUP_LINE = "SIGINT: stopped while starting, before any training; nothing was saved"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["import", "setup"])
 def test_ctrl_c_while_the_workers_start_is_said_once_without_tracebacks(tmp_path, point):
     data = make_image_folder(tmp_path / "data", {"train": {"a": 4, "b": 4}, "val": {"a": 2, "b": 2}}, size=8)

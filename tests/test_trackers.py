@@ -55,6 +55,7 @@ def mlflow_history(client, run_id, names):
     return history
 
 
+@pytest.mark.slow
 def test_a_run_under_torchrun_is_one_mlflow_run_that_a_resume_continues(tmp_path):
     """Two processes, stopped by SIGTERM in epoch 2 and resumed: one MLflow run (not one per rank) in the local
     store beside the project, every results.csv figure at TensorBoard's steps, the recipe as its parameters, the
@@ -88,6 +89,7 @@ def test_a_run_under_torchrun_is_one_mlflow_run_that_a_resume_continues(tmp_path
     assert (files / run.info.run_id / "artifacts" / "results.png").is_file()
 
 
+@pytest.mark.slow
 def test_an_mlflow_server_that_is_down_costs_one_line_or_refuses_when_required(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{closed_port()}")
     result = run_python("train.py", *TRAIN, f"project={tmp_path}", "train.epochs=1", "log.to=[tensorboard,mlflow]")
@@ -124,6 +126,7 @@ def wandb_records(path):
     return records
 
 
+@pytest.mark.slow
 def test_wandb_offline_records_a_run_and_its_resume_as_one_run(tmp_path, monkeypatch):
     """WANDB_MODE=offline (no account, no network): the run's files under its folder's wandb/, read back: the
     recipe as its config, every results.csv figure at TensorBoard's steps, the files, status finished; a resume
@@ -172,6 +175,7 @@ def test_wandb_offline_records_a_run_and_its_resume_as_one_run(tmp_path, monkeyp
     assert "failed" not in alone.stdout + alone.stderr and "wandb sync" not in alone.stdout
 
 
+@pytest.mark.slow
 def test_a_sweep_is_one_mlflow_parent_run_with_a_child_run_per_trial(tmp_path):
     """tune.py with log.to naming mlflow: the sweep's parent run, and each trial's train.py recording into its own
     child run, with the trial's sampled keys as parameters and its state as a tag."""

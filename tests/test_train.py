@@ -47,6 +47,7 @@ def two_tone_folder(root, train, val, size=8):
     return root
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_reach_99_percent_on_digits(digits_run):
     project, result = digits_run
     header, rows = read_results(project / "exp")
@@ -64,6 +65,7 @@ def test_torchrun_two_processes_reach_99_percent_on_digits(digits_run):
     assert f"Best val top-1 {top1:.2%} at epoch {epoch}: {best}" in result.stdout
 
 
+@pytest.mark.slow
 def test_only_rank_0_writes_one_run_dir(digits_run):
     project, result = digits_run
     assert [p.name for p in project.iterdir()] == ["exp"]
@@ -71,12 +73,14 @@ def test_only_rank_0_writes_one_run_dir(digits_run):
     assert result.stdout.count("Results saved to") == 1
 
 
+@pytest.mark.slow
 def test_run_saves_resolved_recipe(digits_run):
     project, _ = digits_run
     saved = load_recipe(str(project / "exp" / "recipe.yaml"))
     assert saved == load_recipe("cls.yaml", [f"project={project}"])
 
 
+@pytest.mark.slow
 def test_checkpoints_load_weights_only_and_hold_the_evaluated_model(digits_run):
     project, _ = digits_run
     _, rows = read_results(project / "exp")
@@ -91,6 +95,7 @@ def test_checkpoints_load_weights_only_and_hold_the_evaluated_model(digits_run):
     assert not list((project / "exp" / "weights").glob(".*.tmp-*"))
 
 
+@pytest.mark.slow
 def test_tensorboard_groups_scalars_and_holds_images_and_the_recipe_as_hparams(digits_run):
     project, _ = digits_run
     run_dir = project / "exp"
@@ -120,6 +125,7 @@ def test_tensorboard_groups_scalars_and_holds_images_and_the_recipe_as_hparams(d
     assert f"batch_size: {recipe.train.batch_size}" in recipe_text and f"project: {project}" in recipe_text
 
 
+@pytest.mark.slow
 def test_results_png_is_drawn(digits_run):
     project, _ = digits_run
     with Image.open(project / "exp" / "results.png") as image:
@@ -202,6 +208,7 @@ def test_results_csv_has_ema_columns_only_with_ema_and_a_resume_keeps_its_rows_a
     assert header == plain and rows == [{c: "1" if c == "epoch" else "0.5" for c in plain}]
 
 
+@pytest.mark.slow
 def test_single_process_on_user_folder_with_few_classes_from_10_class_weights(image_folder, tmp_path, log):
     root = image_folder({"train": {"ant": 6, "bee": 5, "cat": 5}, "test": {"ant": 2, "bee": 3, "cat": 2}})
     torch.save(build_model(OmegaConf.structured(ModelConfig(name="convnet", width=4)), 10).state_dict(),
@@ -231,6 +238,7 @@ def test_unknown_key_exits_before_any_work(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_unknown_key_under_torchrun_fails_on_every_rank_and_says_it_once(tmp_path):
     result = run_torchrun("train.py", "--recipe", "cls.yaml", "optim.lrr=0.1", f"project={tmp_path / 'runs'}")
     assert result.returncode != 0
@@ -255,6 +263,7 @@ def test_check_refuses_as_a_run_would(tmp_path, capsys):
     assert "model.name='squeezenet1_1' cannot take 8x8 images" in error
 
 
+@pytest.mark.slow
 def test_model_that_cannot_take_the_image_size_fails_before_the_run_dir(tmp_path, capsys):
     error = fails(["--recipe", "cls.yaml", "model.name=squeezenet1_1", f"project={tmp_path / 'runs'}"], capsys)
     assert "model.name='squeezenet1_1' cannot take 8x8 images (data.img_size=8): Given input size" in error
@@ -324,6 +333,7 @@ def test_a_global_batch_larger_than_the_training_images_is_said(image_folder, tm
             in log.text)
 
 
+@pytest.mark.slow
 def test_single_process_with_channels_last_reaches_the_same_accuracy(tmp_path, monkeypatch, digits_run, log):
     # The README recipe at one process, in channels_last: the same >= 99% as two processes.
     models = []
@@ -340,6 +350,7 @@ def test_single_process_with_channels_last_reaches_the_same_accuracy(tmp_path, m
     assert list(saved["model"]) == list(load_checkpoint(digits_run[0] / "exp" / "weights" / "last.pt")["model"])
 
 
+@pytest.mark.slow
 def test_compile_trains_through_inductor_as_the_eager_model_does(tmp_path, monkeypatch):
     # Real torch.compile: TorchInductor compiles the training step of a one-stage convnet to C++ kernels (about 20 s
     # on 2 cores, nearly all of it compiling). It compiles on the first call, so its kernels show the steps ran
@@ -403,6 +414,7 @@ def test_an_unknown_model_name_fails_with_the_recipe_before_any_work(tmp_path, c
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_a_val_split_run_and_its_resume_say_what_they_trained_and_what_comes_next(tmp_path):
     """Paths as typed (relative to where train.py runs) before and after a resume; this launch's epochs and time; a
     predict command on new images, not on the root whose val images lie among the training ones."""

@@ -85,6 +85,7 @@ def tta_run(tmp_path_factory):
     return project / "exp" / "weights" / "best.pt", rows[0]
 
 
+@pytest.mark.slow
 def test_val_tta_reproduces_what_train_tta_logged_and_warns_that_digits_flip(tta_run, tmp_path, log):
     weights, row = tta_run
     metrics = val.main(["--weights", str(weights), "--tta", "--project", str(tmp_path)])
@@ -103,6 +104,7 @@ def probabilities(rows):
     return {r["file"].split("/")[-1]: {t["class"]: t["prob"] for t in r["top"]} for r in rows}
 
 
+@pytest.mark.slow
 def test_predict_tta_gives_each_image_the_mean_of_its_and_its_mirror_images_probabilities(tta_run, tmp_path):
     weights, _ = tta_run
     source = tmp_path / "source"
@@ -120,6 +122,7 @@ def test_predict_tta_gives_each_image_the_mean_of_its_and_its_mirror_images_prob
     assert json.loads((tmp_path / "tta" / "exp" / "predictions.json").read_text())["tta"] is True
 
 
+@pytest.mark.slow
 def test_predict_save_images_draws_each_images_top_k_and_contact_sheets_of_them(tta_run, tmp_path, monkeypatch):
     weights, _ = tta_run
     digit = sorted((VAL_DIR / "7").iterdir())[0]
@@ -154,6 +157,7 @@ def shows(drawn, source):
     return drawn.shape == enlarged.shape and np.array_equal(drawn[128:], enlarged[128:])
 
 
+@pytest.mark.slow
 def test_predict_save_images_names_each_images_drawn_copy_in_predictions_csv(tta_run, tmp_path):
     weights, _ = tta_run
     source = make_image_folder(tmp_path, {"src": {"cat": 2, "dog": 2}}) / "src"  # cat/000.png, dog/000.png, ...
@@ -188,6 +192,7 @@ def test_class_names_with_accents_are_drawn_not_replaced_by_boxes():
     assert drawn[:40].any() and not drawn[60:].any()
 
 
+@pytest.mark.slow
 def test_predict_under_torchrun_saves_only_on_rank_0(tta_run, tmp_path, monkeypatch):
     weights, _ = tta_run
     monkeypatch.setattr(predict, "RANK", 1)

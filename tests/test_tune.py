@@ -37,6 +37,7 @@ def read_trials(sweep):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_a_sweep_runs_its_trials_and_writes_the_best_as_a_recipe_that_trains(space, tmp_path):
     result = run_python(*sweep_command(space, tmp_path, 3))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -112,6 +113,7 @@ def start_sweep_and_wait_for_a_checkpoint(command, sweep):
     return sweeper
 
 
+@pytest.mark.slow
 def test_a_sweep_stopped_mid_trial_goes_on_with_the_same_command_resuming_the_trial(space, tmp_path):
     command = sweep_command(space, tmp_path, 2, "train.save_every_steps=5")
     command[command.index("train.epochs=1")] = "train.epochs=6"  # left alone, a trial runs on for seconds
@@ -135,6 +137,7 @@ def test_a_sweep_stopped_mid_trial_goes_on_with_the_same_command_resuming_the_tr
     assert "3 trials (2 complete, 1 fail)" in result.stdout
 
 
+@pytest.mark.slow
 def test_a_dead_workers_trial_is_failed_by_its_heartbeat_and_run_again_by_another_worker(space, tmp_path):
     """Worker A (its machine's folder runs/a) is killed mid-trial; worker B on the same study (another machine's
     folder) finds the trial's heartbeat stale, and runs it again: from the start, as its run is not on B's disk."""
@@ -171,6 +174,7 @@ def running(word):
     return False
 
 
+@pytest.mark.slow
 def test_a_fixed_override_that_train_py_refuses_is_refused_once_before_any_trial(space, tmp_path):
     result = run_python(*sweep_command(space, tmp_path, 2, "data.name=no_such_folder"))
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
@@ -180,6 +184,7 @@ def test_a_fixed_override_that_train_py_refuses_is_refused_once_before_any_trial
     assert "trial 0" not in result.stdout and not list((tmp_path / "cls-space-no_such_folder").glob("trial-*"))
 
 
+@pytest.mark.slow
 def test_failed_trials_are_recorded_with_their_line_and_the_sweep_goes_on(tmp_path):
     space = tmp_path / "ema.yaml"
     space.write_text("train.ema_decay: {choices: [0.99]}\n")  # the EMA on, its steps more than a trial has: each fails
@@ -194,6 +199,7 @@ def test_failed_trials_are_recorded_with_their_line_and_the_sweep_goes_on(tmp_pa
     assert len(result.stderr.strip().splitlines()) == 1  # each failure said in its line, not Optuna's traceback
 
 
+@pytest.mark.slow
 def test_a_pruned_trial_is_a_run_stopped_early_with_its_checkpoint(tmp_path):
     """watch reports each epoch's best score so far at every percent of the schedule it covers and, when the pruner
     says so, stops train.py, which saves and stops."""
@@ -252,6 +258,7 @@ def test_trials_of_different_schedules_are_compared_at_the_same_fraction_of_them
     assert tune.percent_done(1, 3) == 33 and tune.percent_done(2, 3) == 66
 
 
+@pytest.mark.slow
 def test_nproc_runs_each_trial_under_torchrun(tmp_path):
     space = tmp_path / "lr.yaml"
     space.write_text("optim.lr: {low: 0.02, high: 0.2, log: true}\n")
@@ -261,6 +268,7 @@ def test_nproc_runs_each_trial_under_torchrun(tmp_path):
     assert "train: 2 process(es) on cpu" in (tmp_path / "cls-lr" / "logs" / "trial-0.txt").read_text()
 
 
+@pytest.mark.slow
 def test_the_best_trial_is_scored_on_a_test_split_that_chose_nothing_and_the_sweep_is_named_after_its_data(tmp_path):
     data = make_image_folder(tmp_path / "shapes", {split: {"a": n, "b": n} for split, n in
                                                    (("train", 12), ("val", 4), ("test", 5))})
@@ -275,6 +283,7 @@ def test_the_best_trial_is_scored_on_a_test_split_that_chose_nothing_and_the_swe
     assert (tmp_path / "cls-lr-shapes" / "best.yaml").exists()
 
 
+@pytest.mark.slow
 def test_a_trial_that_fails_under_torchrun_is_recorded_with_the_ranks_error_line(tmp_path):
     space = tmp_path / "batch.yaml"
     space.write_text("train.batch_size: {choices: [47]}\n")  # one process takes it; two cannot share it
@@ -314,6 +323,7 @@ def drawn_keys(path, seed, trials=14):
     return [tuple(keys.values()) for keys in drawn]
 
 
+@pytest.mark.slow
 def test_the_same_seed_draws_the_same_keys_and_two_seeds_never_the_same(tmp_path):
     """Across TPE's random start-up trials and its model's: seed 1's trials are none of seed 0's (with seed + trial
     number, seed 1's trial 0 was seed 0's trial 1)."""
@@ -343,6 +353,7 @@ def test_a_sweep_goes_on_after_changes_that_keep_its_meaning_and_not_after_other
         claim("cls.yaml", "train.epochs=1")
 
 
+@pytest.mark.slow
 def test_workers_starting_together_both_open_the_new_study(tmp_path):
     """Two workers creating one SQLite study at once race to create its tables; the later one tries again."""
     for k in range(8):
@@ -356,6 +367,7 @@ def test_workers_starting_together_both_open_the_new_study(tmp_path):
         assert len(studies) == 2 and studies[0]._study_id == studies[1]._study_id
 
 
+@pytest.mark.slow
 def test_two_workers_on_one_study_run_distinct_trials(space, tmp_path):
     command = [sys.executable, *sweep_command(space, tmp_path, 4)]
     workers = [subprocess.Popen(command, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -39,6 +39,7 @@ def best(digits_run):
     return project / "exp" / "weights" / "best.pt", top1
 
 
+@pytest.mark.slow
 def test_val_reproduces_the_top1_training_recorded_and_saves_its_tables(best, tmp_path, log):
     weights, recorded = best
     metrics = val.main(["--weights", str(weights), "--project", str(tmp_path), "--save-probs"])
@@ -74,6 +75,7 @@ def test_val_reproduces_the_top1_training_recorded_and_saves_its_tables(best, tm
         assert image.format == "PNG"
 
 
+@pytest.mark.slow
 def test_val_under_torchrun_counts_every_image_once(best, tmp_path):
     weights, recorded = best
     result = run_torchrun("val.py", "--weights", weights, "--project", tmp_path, "--batch-size", "50")
@@ -84,6 +86,7 @@ def test_val_under_torchrun_counts_every_image_once(best, tmp_path):
     assert float(f"{summary['top1']:.6g}") == recorded
 
 
+@pytest.mark.slow
 def test_val_names_a_class_the_checkpoint_does_not_know(best, image_folder, tmp_path, capfd):
     weights, _ = best
     root = image_folder({"val": {"3": 2, "cat": 1}}, size=8)
@@ -95,6 +98,7 @@ def test_val_names_a_class_the_checkpoint_does_not_know(best, image_folder, tmp_
     assert not (tmp_path / "v").exists()
 
 
+@pytest.mark.slow
 def test_predict_agrees_with_val_on_the_val_images(best, tmp_path):
     weights, recorded = best
     rows, skipped = predict.main(["--weights", str(weights), "--source", str(VAL_DIR), "--project", str(tmp_path),
@@ -114,6 +118,7 @@ def test_predict_agrees_with_val_on_the_val_images(best, tmp_path):
     assert torch.allclose(probs, forward_logits(weights, [r["file"] for r in rows]).softmax(1), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_predict_names_and_skips_an_unreadable_image(best, tmp_path, log):
     weights, _ = best
     source = tmp_path / "photos"
@@ -130,6 +135,7 @@ def test_predict_names_and_skips_an_unreadable_image(best, tmp_path, log):
     assert json.loads((tmp_path / "p" / "exp" / "predictions.json").read_text())["skipped"] == skipped
 
 
+@pytest.mark.slow
 def test_predict_without_images_is_a_clear_error(best, tmp_path, capfd):
     weights, _ = best
     with pytest.raises(SystemExit) as exit_:
@@ -137,6 +143,7 @@ def test_predict_without_images_is_a_clear_error(best, tmp_path, capfd):
     assert exit_.value.code == 2 and "no images found" in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_val_and_predict_choose_the_device_as_training_does(best, tmp_path, monkeypatch, capfd):
     weights, _ = best
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # one GPU: the index and the value are checked
@@ -171,6 +178,7 @@ def real_batch(weights, n):
         return images, model_from_checkpoint(ckpt, cfg, weights)(images)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
 def test_exported_torchscript_gives_pytorchs_outputs_and_carries_its_preprocessing(exported):
     weights, results = exported
@@ -185,6 +193,7 @@ def test_exported_torchscript_gives_pytorchs_outputs_and_carries_its_preprocessi
     torch.testing.assert_close(model(images), expected, atol=1e-4, rtol=1e-3)
 
 
+@pytest.mark.slow
 @needs_onnx
 def test_exported_onnx_gives_pytorchs_outputs_at_any_batch_and_carries_its_preprocessing(exported):
     import onnxruntime
@@ -201,6 +210,7 @@ def test_exported_onnx_gives_pytorchs_outputs_at_any_batch_and_carries_its_prepr
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-3)
 
 
+@pytest.mark.slow
 def test_export_refuses_outputs_that_do_not_match(best):
     weights, _ = best
     ckpt = load_model_checkpoint(weights)
@@ -213,6 +223,7 @@ def test_export_refuses_outputs_that_do_not_match(best):
         export.check_outputs(model, lambda x: model(x) * torch.nan, [x], "nan")
 
 
+@pytest.mark.slow
 def test_an_export_that_fails_its_check_leaves_no_file(best, tmp_path, monkeypatch, caplog):
     weights = tmp_path / "best.pt"
     shutil.copy(best[0], weights)
@@ -225,6 +236,7 @@ def test_an_export_that_fails_its_check_leaves_no_file(best, tmp_path, monkeypat
     assert exit_.value.code == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["best.pt"]
 
 
+@pytest.mark.slow
 def test_export_onnx_without_its_packages_says_what_to_install(best, monkeypatch, capfd):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "onnxruntime" else
@@ -236,6 +248,7 @@ def test_export_onnx_without_its_packages_says_what_to_install(best, monkeypatch
         capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_val_refuses_a_batch_size_below_one(best, tmp_path, capfd):
     with pytest.raises(SystemExit) as exit_:
         val.main(["--weights", str(best[0]), "--batch-size", "0", "--project", str(tmp_path)])
@@ -267,6 +280,7 @@ def test_a_checkpoint_in_torchs_older_format_still_loads(tmp_path):
     assert load_checkpoint(tmp_path / "old.pt") == {"epoch": 1}
 
 
+@pytest.mark.slow
 def test_a_run_directory_given_as_weights_means_its_best_pt_else_its_last_pt(best, tmp_path, log, capfd):
     weights, _ = best
     run_dir = tmp_path / "exp"
@@ -288,6 +302,7 @@ def test_a_run_directory_given_as_weights_means_its_best_pt_else_its_last_pt(bes
         f"or a run directory\n")
 
 
+@pytest.mark.slow
 def test_predict_exits_1_with_one_line_when_no_image_could_be_read(best, tmp_path, capfd):
     weights, _ = best
     source = tmp_path / "photos"
@@ -303,6 +318,7 @@ def test_predict_exits_1_with_one_line_when_no_image_could_be_read(best, tmp_pat
     assert len(json.loads((tmp_path / "p" / "exp" / "predictions.json").read_text())["skipped"]) == 2
 
 
+@pytest.mark.slow
 def test_predict_names_a_source_that_does_not_exist(best, tmp_path, capfd):
     weights, _ = best
     with pytest.raises(SystemExit) as exit_:
@@ -311,6 +327,7 @@ def test_predict_names_a_source_that_does_not_exist(best, tmp_path, capfd):
     assert capfd.readouterr().err == f"predict.py: error: --source {tmp_path / 'nonexistent'}: no such file or folder\n"
 
 
+@pytest.mark.slow
 def test_val_names_its_data_option_where_the_data_code_says_data_name(best, tmp_path, capfd):
     with pytest.raises(SystemExit) as e:
         val.main(["--weights", str(best[0]), "--data", str(tmp_path / "nowhere"), "--project", str(tmp_path)])

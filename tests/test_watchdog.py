@@ -50,6 +50,7 @@ def test_a_rank_that_stands_still_behind_the_others_is_named_with_what_it_did():
     assert why == "made no progress for 0.3 s while the other ranks waited for it"
 
 
+@pytest.mark.slow
 def test_a_step_longer_than_the_limit_names_no_one_when_a_rank_ends_it_a_moment_before_another():
     store, step = dist.HashStore(), "epoch 1, step 6/9 (in the step)"
     now_at((0, 0, 5, 1), step)
@@ -86,6 +87,7 @@ def test_a_rank_that_gives_no_sign_of_life_is_named_as_frozen_wherever_it_is():
     assert why == "gave no sign of life for 0.3 s (stopped, frozen, or its machine is gone)"
 
 
+@pytest.mark.slow
 def test_ranks_in_the_same_place_are_never_named_however_long_a_step_takes():
     store = dist.HashStore()
     now_at((0, 0, 5, 1), "epoch 1, step 6/9 (in the step)")  # a slow step: everyone in it, alive
@@ -94,6 +96,7 @@ def test_ranks_in_the_same_place_are_never_named_however_long_a_step_takes():
     assert watch(store, 1.0, publishing=(1, 2)) is None
 
 
+@pytest.mark.slow
 def test_a_rank_that_works_alone_while_the_others_wait_is_named_only_when_it_stops_pulsing():
     store = dist.HashStore()
     now_at((0, 3, 1), "the end of epoch 1: saving weights/last.pt")
@@ -112,6 +115,7 @@ def test_a_rank_that_works_alone_while_the_others_wait_is_named_only_when_it_sto
     assert (rank, frozen) == (1, False)
 
 
+@pytest.mark.slow
 def test_a_rank_that_left_is_not_named_for_its_silence_nor_one_before_training_for_its_place():
     store = dist.HashStore()
     now_at((2, 3, 1), "the end of epoch 3: saving weights/last.pt")
@@ -120,6 +124,7 @@ def test_a_rank_that_left_is_not_named_for_its_silence_nor_one_before_training_f
     assert watch(store, 1.0, publishing=(2,)) is None
 
 
+@pytest.mark.slow
 def test_no_limit_names_no_rank():
     store = dist.HashStore()
     watchdog.set_limit(0)
