@@ -59,7 +59,8 @@ def mlflow_history(client, run_id, names):
 def test_a_run_under_torchrun_is_one_mlflow_run_that_a_resume_continues(tmp_path):
     """Two processes, stopped by SIGTERM in epoch 2 and resumed: one MLflow run (not one per rank) in the local
     store beside the project, every results.csv figure at TensorBoard's steps, the recipe as its parameters, the
-    plots and recipe.yaml as artifacts, KILLED while stopped and FINISHED at the end."""
+    plots, recipe.yaml and best.pt (log.weights=true, set on resume) as artifacts, KILLED while stopped and FINISHED
+    at the end."""
     project = tmp_path / "runs" / "train"
     stopped = run_torchrun("tests/faults.py", "signal-at-step:40:SIGTERM", "train.py", *TRAIN, f"project={project}",
                            "train.epochs=3", "log.to=[tensorboard,mlflow]")
@@ -69,7 +70,7 @@ def test_a_run_under_torchrun_is_one_mlflow_run_that_a_resume_continues(tmp_path
     (run,) = client.search_runs([client.get_experiment_by_name("train").experiment_id])
     assert run.info.run_name == "exp" and run.info.status == "KILLED"
 
-    resumed = run_python("train.py", "--resume", project / "exp")
+    resumed = run_python("train.py", "--resume", project / "exp", "log.weights=true")  # best.pt uploaded too
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert f"mlflow ui --backend-store-uri sqlite:///{tmp_path / 'runs' / 'mlflow.db'}" in resumed.stdout
     (run,) = client.search_runs([client.get_experiment_by_name("train").experiment_id])  # still the one run
@@ -79,11 +80,12 @@ def test_a_run_under_torchrun_is_one_mlflow_run_that_a_resume_continues(tmp_path
     assert len(rows) == 3
     assert_same_figures(mlflow_history(client, run.info.run_id, [*header, "train/loss_step"]), run_dir)
     recipe = flat(yaml.safe_load((run_dir / "recipe.yaml").read_text()))
+    recipe["log.weights"] = False  # MLflow keeps a parameter's first value; the resume set it true
     assert run.data.params == {key: as_mlflow_param(value) for key, value in recipe.items()}
     assert run.data.params["log.to"] == "[tensorboard, mlflow]" and run.data.params["data.scale"] == "[1.0, 1.0]"
     assert run.data.tags["mlflow.source.name"].endswith("train.py")  # MLflow's own tags of where a run came from
     assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"results.png", "recipe.yaml",
-                                                                          "confusion_matrix.png"}
+                                                                          "confusion_matrix.png", "best.pt"}
     files = tmp_path / "runs" / "mlartifacts"  # beside the store, not ./mlruns wherever train.py started
     assert client.get_experiment_by_name("train").artifact_location == files.as_uri()
     assert (files / run.info.run_id / "artifacts" / "results.png").is_file()
