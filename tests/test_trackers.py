@@ -229,10 +229,13 @@ def test_output_to_a_file_shows_a_progress_line_within_an_epoch(monkeypatch, log
     clock = iter(range(0, 1000, 10))  # each step takes 10 s
     monkeypatch.setattr(loggers.time, "monotonic", lambda: next(clock))
     monkeypatch.setattr(loggers.sys, "stderr", io.StringIO())  # not a terminal, as under pytest -s it would be
-    bar = loggers.progress(range(12), "2/10", 2, 12)
-    for _ in bar:
-        bar.set_postfix_str("loss 0.5000  96 img/s")
+    bar, reads = loggers.progress(range(10), "2/10", 2, 12), []
+    for _ in bar:  # steps 3 to 12 of 12; the body is the step
+        if not bar.disable:  # as EpochLoss.show reads the loss (a sync on a GPU): only for the step before a line
+            reads.append(bar.n + 1)
+            bar.set_postfix_str("loss 0.5000  96 img/s")
     lines = [r.getMessage() for r in log.records]
     assert lines == ["epoch 2/10: step 5/12, loss 0.5000  96 img/s, 1m 10s left in the epoch",
                      "epoch 2/10: step 8/12, loss 0.5000  96 img/s, 40s left in the epoch",
                      "epoch 2/10: step 11/12, loss 0.5000  96 img/s, 10s left in the epoch"]
+    assert reads == [5, 8, 11]

@@ -221,15 +221,15 @@ def progress(loader, label, initial, total):
 
 class ProgressLines:
     """tqdm's part that the loop uses (iterate, set_postfix_str, disable), printing a line every PROGRESS_SECONDS:
-    'epoch 1/10: step 40/125, loss 0.5321  312 img/s, 4m 30s left in the epoch'."""
-
-    disable = False
+    'epoch 1/10: step 40/125, loss 0.5321  312 img/s, 4m 30s left in the epoch'. `disable` is true but for the step
+    before a line is due, so that the loop's loss and speed (a .item(), a sync on a GPU) are read once a line."""
 
     def __init__(self, iterable, label, initial, total):
         self.iterable, self.label, self.n, self.total, self.postfix = iterable, label, initial, total, ""
+        self.disable = True
 
     def __iter__(self):
-        start = shown = time.monotonic()
+        start = shown = before = time.monotonic()
         first = self.n
         for item in self.iterable:
             yield item
@@ -237,9 +237,11 @@ class ProgressLines:
             now = time.monotonic()
             if now - shown >= PROGRESS_SECONDS and self.n < self.total:
                 left = (self.total - self.n) * (now - start) / (self.n - first)
-                LOGGER.info(f"epoch {self.label}: step {self.n}/{self.total}, {self.postfix}, "
-                            f"{format_seconds(left)} left in the epoch")
+                parts = [f"step {self.n}/{self.total}", self.postfix, f"{format_seconds(left)} left in the epoch"]
+                LOGGER.info(f"epoch {self.label}: {', '.join(filter(None, parts))}")
                 shown = now
+            self.disable = now - shown + (now - before) < PROGRESS_SECONDS  # the next step ends before a line
+            before = now
 
     def set_postfix_str(self, text, refresh=True):
         self.postfix = text
