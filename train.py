@@ -11,7 +11,6 @@ The ranks meet (a collective: the stop vote, the logged loss, a save) only in at
 rank takes, and at the end of each epoch.
 """
 
-import argparse
 import signal
 import sys
 import time
@@ -38,16 +37,17 @@ from data.transforms import crop_spec, normalizer, val_size
 from models import build_model, check_batch_for_batchnorm, check_input_size, check_model_name, start_from
 from models.pretrained import fine_tuning, follow_weights, freeze_batchnorm
 from utils.checkpoint import restore, save_state
-from utils.config import Recipe, RecipeError, best_metric, flag_as_key, keys_help
+from utils.config import Recipe, best_metric
 from utils.distributed import (cleanup_distributed, exit_on_error, keep_ranks_in_step, setup_distributed,
-                               stop_if_another_rank_failed, when_failing)
+                               stop_if_another_rank_failed)
 from utils.general import LOGGER, RANK, WORLD_SIZE, SharedError, UsageError, colorstr
-from utils.loggers import WRONG_SHOWN, RunLogger, epoch_summary, progress
+from utils.loggers import WRONG_SHOWN, RunLogger, epoch_summary, progress, startup_line
+from utils.losses import build_criterion
 from utils.metrics import EpochLoss, evaluate, evaluate_ema
-from utils.multilabel import MultiLabelLoss, evaluate_multilabel, evaluate_multilabel_ema
+from utils.multilabel import evaluate_multilabel, evaluate_multilabel_ema
 from utils.optim import build_optimizer, build_scheduler, stepped_parameters
 from utils.precision import autocast, autocast_dtype, grad_scaler
-from utils.run import end_stopped, make_run_dir, next_steps, prepare_run, remove_if_unsaved, resumed_run_dir
+from utils.run import end_stopped, make_run_dir, next_steps, parse_args, prepare_run, resumed_run_dir
 from utils.seeds import init_seeds
 from utils.stopping import StopVote, check_vote, out_of_patience, record_best, wants_save, weights_sum
 from utils.watchdog import Placed, further, now_at, placed, set_limit
@@ -98,40 +98,6 @@ class Loop:
     multilabel: bool = False  # data.multilabel: sigmoid outputs, BCE, mAP
 
 
-def parse_args(argv=None):
-    """--recipe NAME or --resume [PATH], --project and --name (the recipe keys project and name, spelled as val.py
-    and predict.py spell them), and key=value overrides; any other --flag that names a recipe key (--epochs 3) is
-    refused with the key=value that sets it."""
-    parser = argparse.ArgumentParser(description="Train an image classifier from a recipe.", epilog=keys_help(),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--recipe", help="recipe path, or a name in recipes/ (default: cls.yaml)")
-    parser.add_argument("--resume", nargs="?", const="", metavar="PATH",
-                        help="continue a run exactly: a checkpoint, a run directory, or (no PATH) the newest run "
-                             "under project; the recipe comes from the checkpoint")
-    parser.add_argument("--check", action="store_true",
-                        help="check the recipe, data and model as a run would, then exit without training or "
-                             "writing a run (tune.py checks a sweep's recipe so)")
-    for key, what in (("project", "runs go to PROJECT/NAME"), ("name", "run name, incremented (exp, exp2, ...)")):
-        parser.add_argument(f"--{key}", help=f"the same as the recipe key {key}={key.upper()} (val.py and predict.py "
-                                             f"take --{key} too): {what}")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. optim.lr=0.05")
-    words = sys.argv[1:] if argv is None else list(argv)
-    args, unknown = parser.parse_known_intermixed_args(words)  # key=value after a --flag VALUE too
-    if hint := flag_as_key(words, unknown):
-        raise RecipeError(hint)
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    if args.resume and "=" in args.resume and not Path(args.resume).exists():  # `--resume key=value`: no PATH
-        args.overrides.insert(0, args.resume)
-        args.resume = ""
-    for key, value in (("project", args.project), ("name", args.name)):
-        given = [item for item in args.overrides if item.partition("=")[0] == key]
-        if value is not None and given:
-            raise RecipeError(f"--{key} {value} and {given[0]} both set {key}; give one")
-        args.overrides += [] if value is None else [f"{key}={value}"]
-    return args
-
-
 @record  # under torchrun, an unexpected error's traceback becomes the reported root cause of the failure
 def main(argv=None):
     """Join the process group, settle the recipe and checkpoint, train and return the best val score; bad input
@@ -175,9 +141,6 @@ def train(cfg, vote, dtype, run_dir=None, resume=None, check=False):
     train_set, val_set, train_loader, val_loader, mix = training_data(cfg, device, workers, run_dir if resume else None)
     classes = train_set.classes
     steps = train_loader.sampler.steps()[0]
-    if train_loader.sampler.step_samples(0) < cfg.train.batch_size and RANK == 0:
-        LOGGER.warning(f"train.batch_size={cfg.train.batch_size} is more than the epoch's "
-                       f"{train_loader.sampler.size} training images: each epoch is one step of them all")
     state = build_state(cfg, len(classes), device, dtype, steps, pretrained=not resume)
     if resume:
         check_same_shards(*resume, train_set)
@@ -185,14 +148,8 @@ def train(cfg, vote, dtype, run_dir=None, resume=None, check=False):
     if WORLD_SIZE > 1:  # after restore: DDP starts every rank from rank 0's weights
         state.model = smart_DDP(state.model, device, **cfg.ddp)
     state.model = compiled(state.model, cfg.train.compile)
-    params = sum(p.numel() for p in de_parallel(state.model).parameters())
-    LOGGER.info(f"{colorstr('train:')} {WORLD_SIZE} process(es) on {device.type}, {threads} thread(s) and "
-                f"{workers} worker(s) each ({workers_why}); {len(train_set)} train / {len(val_set)} val images, "
-                f"{len(classes)} classes; {cfg.model.name} ({params:,} parameters) in "
-                f"{str(dtype or torch.float32).removeprefix('torch.')}"
-                f"{', multi-label' if cfg.data.multilabel else ''}; batch {cfg.train.batch_size} "
-                f"({cfg.train.batch_size // WORLD_SIZE} per process), {steps} steps per epoch"
-                f"{f'; resuming at epoch {state.epoch + 1}, step {state.step}' if resume else ''}")
+    LOGGER.info(startup_line(cfg, device, (threads, workers, workers_why), (train_set, val_set), state, dtype, steps,
+                             resumed=bool(resume)))
     if check:
         LOGGER.info(f"{colorstr('train:')} --check: the recipe, data and model are ready to train; nothing written")
         return state.best_score
@@ -200,15 +157,14 @@ def train(cfg, vote, dtype, run_dir=None, resume=None, check=False):
     continuing = run_dir is not None  # resumed, or restarted by torchrun into this job's run
     vote.started = True  # from here a Ctrl-C stops the run where it can save (StopVote)
     run_dir = resumed_run_dir(run_dir, cfg) if continuing else make_run_dir(cfg)
-    if not continuing:  # a new run that fails before its first checkpoint leaves nothing behind
-        when_failing(lambda: remove_if_unsaved(run_dir))
     save_split(run_dir, cfg, train_set, val_set)  # data.val_split's split, for a resume and val.py to reuse
     logger = RunLogger(run_dir, cfg, classes, (state.epoch, state.epoch * steps + state.step) if continuing else None,
                        resume and resume[1].get("trackers")) if RANK == 0 else None
-    loop = Loop(OmegaConf.to_object(cfg), train_loader, val_loader, normalizer(cfg.data, device), mix,
-                build_criterion(cfg.train, train_set, device), dtype, vote, logger, run_dir,
-                OmegaConf.to_container(cfg), list(classes), len(train_set), getattr(train_set, "identity", None),
-                cfg.data.multilabel)
+    weights = balanced_class_weights(train_set) if cfg.train.class_weights == "balanced" else None
+    criterion = build_criterion(cfg.train, len(classes), cfg.data.multilabel, weights).to(device)
+    loop = Loop(OmegaConf.to_object(cfg), train_loader, val_loader, normalizer(cfg.data, device), mix, criterion, dtype,
+                vote, logger, run_dir, OmegaConf.to_container(cfg), list(classes), len(train_set),
+                getattr(train_set, "identity", None), cfg.data.multilabel)
     start, started_at = time.time(), (state.epoch, state.step)
     for epoch in range(state.epoch, cfg.train.epochs):
         epoch_start = time.time()
@@ -253,19 +209,6 @@ def build_state(cfg, num_classes, device, dtype, steps, pretrained=True):
                               f"never be updated; lower it")
         state.ema = model_ema(model, cfg.train.ema_decay, cfg.train.ema_steps, cfg.train.batch_size, cfg.train.epochs)
     return state
-
-
-def build_criterion(cfg, train_set, device):
-    """Cross-entropy summed over a batch, with label smoothing and train.class_weights (cfg: the train section);
-    for multi-label data, BCE with per-class positive weights (utils/multilabel.py)."""
-    # train_step divides the sum by the global step's sample count: with class weights, the step's gradient is the
-    # weighted sum over its samples / their count. A weighted mean would divide by the step's summed weight, which
-    # takes every rank's share (a collective per step); the count is known to every rank at any N. The weights
-    # average 1 over the training set, so train/loss, the weighted loss per image, keeps the unweighted scale.
-    weight = balanced_class_weights(train_set).to(device) if cfg.class_weights == "balanced" else None
-    if getattr(train_set, "multilabel", False):
-        return MultiLabelLoss(len(train_set.classes), weight, cfg.label_smoothing).to(device)
-    return nn.CrossEntropyLoss(weight, label_smoothing=cfg.label_smoothing, reduction="sum")
 
 
 def train_one_epoch(loop, state, epoch, show_batch=False):

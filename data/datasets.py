@@ -302,7 +302,7 @@ def training_data(cfg, device, workers, saved_in=None):
     """A recipe's (train_set, val_set, train_loader, val_loader, mix): the datasets (training_datasets), MixUp and
     CutMix (None unless on), and loaders over this rank's shares with `workers` workers each (see build_dataloader).
     saved_in: a resumed run's directory, whose data.val_split split is reused. Rank 0 says when the training images
-    are much larger or smaller than the model sees them (image_size_note)."""
+    are much larger or smaller than the model sees them (image_size_note) and when one step is the whole epoch."""
     train_set, val_set = training_datasets(cfg.data, cfg.seed, saved_in, device)
     release_freed_memory()  # what listing them freed, which every DataLoader worker would otherwise inherit
     if RANK == 0 and (note := image_size_note(train_set, cfg.data)):  # a fact, sometimes meant (photos at 224 px)
@@ -312,6 +312,9 @@ def training_data(cfg, device, workers, saved_in=None):
     train_loader = build_dataloader(train_set, cfg.train.batch_size, True, cfg.seed, workers, device,
                                     cfg.data.drop_last, pairs=mix is not None, repeats=cfg.data.repeats,
                                     balanced=cfg.data.sampler == "balanced")
+    if train_loader.sampler.step_samples(0) < cfg.train.batch_size and RANK == 0:
+        LOGGER.warning(f"train.batch_size={cfg.train.batch_size} is more than the epoch's "
+                       f"{train_loader.sampler.size} training images: each epoch is one step of them all")
     val_loader = build_dataloader(val_set, cfg.train.batch_size, False, cfg.seed, workers, device)
     return train_set, val_set, train_loader, val_loader, mix
 

@@ -40,6 +40,20 @@ def pytest_configure(config):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
+# The modules that take longest (python -m pytest --durations=0 adds up their tests), run first: with -n (pytest-xdist,
+# one module per worker at a time) a long module begun last would leave the other workers idle while it ends.
+LONGEST_FIRST = ["test_tune.py", "test_resume.py", "test_commands.py", "test_shards.py", "test_shard_faults.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Order the modules longest first (LONGEST_FIRST), the rest as collected; the tests within a module keep their
+    order."""
+    def rank(item):
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+    items.sort(key=rank)  # stable
+
+
 def make_image_folder(root, counts, size=12, seed=0):
     """Write an ImageFolder of random RGB PNGs: counts = {'train': {'cat': 5, ...}, 'val': {...}}."""
     rng = np.random.default_rng(seed)

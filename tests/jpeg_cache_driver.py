@@ -6,9 +6,9 @@ images it reads in CACHE/rank{RANK}.txt. FAULTS (comma-separated) make a rank's 
     (RANK may be all)
 """
 
-import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,14 +30,21 @@ def inject(fault):
     kind, rank, *seconds = fault.split(":")
     if rank not in ("all", str(RANK)):
         return
-    if kind == "hang":  # torchrun's SIGTERM ends the hung rank at once, not after its 30 s grace before SIGKILL
-        signal.signal(signal.SIGTERM, lambda *_: os._exit(128 + signal.SIGTERM))
+    released = threading.Event()
+    if kind == "hang":  # torchrun's SIGTERM releases the hung image, so the writer's own handler ends the rank at once,
+        # not after torchrun's 30 s grace before SIGKILL (the writer's pool waits for the image it is on)
+        set_handler = signal.signal
+        signal.signal = lambda signum, handler: set_handler(signum, handler if signum != signal.SIGTERM or not callable(
+            handler) else lambda *args: (released.set(), handler(*args)))
 
     def faulty(encode):
         def sleep_and_encode(image):
             if kind == "fail":
                 raise ImageError(f"image of rank {RANK}: unreadable image (test)")
-            time.sleep(float(seconds[0]) if kind == "slow" else 10**6)
+            if kind == "hang":
+                released.wait()
+            else:
+                time.sleep(float(seconds[0]))
             return encode(image)
         return sleep_and_encode
     for name in ("jpeg_bytes", "raw_pixels"):

@@ -66,7 +66,7 @@ NOT_RUN = {
     "pip install -r requirements-lock.txt && torchrun --nproc_per_node=2 train.py --recipe cls.yaml":
         "it would reinstall the lock over the environment the suite runs in (.ci/run installs it); the torchrun "
         "command after it is run on its own",
-    "pip install -r requirements-lock.txt && python -m pytest -q tests":
+    "pip install -r requirements-lock.txt && python -m pytest -q -n auto --dist loadfile tests":
         "it is .ci/run, which runs this suite (this test in it)",
     "pip install -r requirements-lock.txt": "it is .ci/run's install: the suite runs in what it installed",
     "pip install -r requirements.txt -r requirements-export.txt -c requirements-lock.txt --extra-index-url "

@@ -22,7 +22,7 @@ def schema_keys(cls, prefix=""):
 def test_readme_starts_with_the_two_setup_commands():
     first_block = README.split("```bash", 1)[1].split("```", 1)[0]
     assert "pip install -r requirements-lock.txt && torchrun --nproc_per_node=2 train.py --recipe cls.yaml" in first_block
-    assert "pip install -r requirements-lock.txt && python -m pytest -q tests" in first_block
+    assert "pip install -r requirements-lock.txt && python -m pytest -q -n auto --dist loadfile tests" in first_block
 
 
 def test_docs_document_every_recipe_key():
@@ -35,7 +35,7 @@ def test_docs_document_every_recipe_key():
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "pip install --quiet --disable-pip-version-check -r requirements-lock.txt" in ci
-    assert "python -m pytest -q tests" in ci
+    assert "\npython -m pytest -q -n auto --dist loadfile tests\n" in ci
 
 
 def requirement_lines(name):

@@ -1,5 +1,6 @@
-"""Runs and sweeps recorded in MLflow and W&B (log.to), read back as their users read them: MLflow through its
-client from the local store, W&B from an offline run's own files; and the progress a log file shows."""
+"""Runs recorded in MLflow and W&B (log.to), read back as their users read them: MLflow through its client from the
+local store, W&B from an offline run's own files; and the progress a log file shows. A sweep's record in MLflow is
+tested with the sweep it records, in tests/test_tune.py."""
 
 import io
 import os
@@ -175,37 +176,6 @@ def test_wandb_offline_records_a_run_and_its_resume_as_one_run(tmp_path, monkeyp
     assert alone.returncode == 0 and not list((tmp_path / "exp2").glob("events.out.tfevents.*"))
     assert "tensorboard --logdir" not in alone.stdout and "TensorBoard" not in alone.stdout
     assert "failed" not in alone.stdout + alone.stderr and "wandb sync" not in alone.stdout
-
-
-@pytest.mark.slow
-def test_a_sweep_is_one_mlflow_parent_run_with_a_child_run_per_trial(tmp_path):
-    """tune.py with log.to naming mlflow: the sweep's parent run, and each trial's train.py recording into its own
-    child run, with the trial's sampled keys as parameters and its state as a tag."""
-    optuna = pytest.importorskip("optuna")
-    result = run_python("tune.py", "--recipe", "cls.yaml", "--space", "spaces/cls.yaml", "--trials", "3",
-                        "--project", tmp_path / "runs" / "tune", "train.epochs=1", "log.to=[mlflow]")
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name("tune").experiment_id])
-    (parent,) = [r for r in runs if r.info.run_name == "cls-cls"]
-    children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
-    assert len(runs) == 4 and sorted(children) == ["trial-0", "trial-1", "trial-2"]
-    assert parent.data.params["space.optim.lr"] == "{high: 0.3, log: true, low: 0.01}"
-    assert "optim.lr" not in parent.data.params and parent.data.params["train.epochs"] == "1"
-    study = optuna.load_study(study_name="cls-cls", storage=f"sqlite:///{tmp_path / 'runs/tune/cls-cls/study.db'}")
-    for trial in study.trials:
-        child = children[f"trial-{trial.number}"]
-        assert child.data.tags["trial_state"] == trial.state.name == "COMPLETE"
-        assert child.info.status == "FINISHED"
-        assert {k: child.data.params[k] for k in trial.params} == {k: str(v) for k, v in trial.params.items()}
-        assert child.data.metrics["val/top1"] == pytest.approx(trial.value, rel=1e-6)
-    scores = {m.step: m.value for m in client.get_metric_history(parent.info.run_id, "value")}
-    assert scores == pytest.approx({t.number: t.value for t in study.trials})  # each trial's score, by its number
-    parent = client.get_run(parent.info.run_id)
-    assert parent.info.status == "FINISHED" and parent.data.tags["best_trial"] == str(study.best_trial.number)
-    assert parent.data.metrics["best_value"] == pytest.approx(study.best_value)
-    assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"trials.csv", "best.yaml", "history.png",
-                                                                            "importances.png"}
 
 
 def test_a_tracker_that_is_not_installed_is_refused_with_the_pip_command(monkeypatch):

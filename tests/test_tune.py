@@ -1,5 +1,5 @@
-"""tune.py: a sweep end to end, refused spaces, a sweep killed and run again, failed trials, two workers on one
-study. Trials are real train.py runs of the digits, one short epoch each."""
+"""tune.py: a sweep end to end (and its record in MLflow), refused spaces, a sweep killed and run again, failed
+trials, two workers on one study. Trials are real train.py runs of the digits, one short epoch each."""
 
 import csv
 import signal
@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from datetime import datetime
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -37,33 +38,79 @@ def read_trials(sweep):
         return list(csv.DictReader(f))
 
 
+TRACKED = ["log.to=[tensorboard,mlflow]"] if find_spec("mlflow") else []  # the tracker's side: test_a_sweep_is_one_...
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """(project, CompletedProcess) of a sweep of 3 trials of SPACE, recorded in MLflow where it is installed; read by
+    the tests of what a sweep writes and of what MLflow holds."""
+    base = tmp_path_factory.mktemp("sweep")
+    space = base / "space.yaml"
+    space.write_text(SPACE)
+    project = base / "runs" / "tune"
+    return project, run_python(*sweep_command(space, project, 3, *TRACKED))
+
+
 @pytest.mark.slow
-def test_a_sweep_runs_its_trials_and_writes_the_best_as_a_recipe_that_trains(space, tmp_path):
-    result = run_python(*sweep_command(space, tmp_path, 3))
+def test_a_sweep_runs_its_trials_and_writes_the_best_as_a_recipe_that_trains(sweep, tmp_path):
+    project, result = sweep
     assert result.returncode == 0, result.stderr[-3000:]
-    sweep = tmp_path / "cls-space"
-    trials = read_trials(sweep)
+    folder = project / "cls-space"
+    trials = read_trials(folder)
     assert [t["state"] for t in trials] == ["COMPLETE"] * 3
     for t in trials:  # each trial is a run of its own, with the trial's keys, and the value its best val top-1
-        recipe = yaml.safe_load((sweep / f"trial-{t['trial']}" / "recipe.yaml").read_text())
+        recipe = yaml.safe_load((folder / f"trial-{t['trial']}" / "recipe.yaml").read_text())
         assert recipe["optim"]["lr"] == pytest.approx(float(t["optim.lr"])) and recipe["train"]["epochs"] == 1
         assert 0.02 <= float(t["optim.lr"]) <= 0.2 and t["train.label_smoothing"] in ("0.0", "0.1")
-        with open(sweep / f"trial-{t['trial']}" / "results.csv", newline="") as f:
+        with open(folder / f"trial-{t['trial']}" / "results.csv", newline="") as f:
             assert float(t["value"]) == pytest.approx(max(float(r["val/top1"]) for r in csv.DictReader(f)))
-        assert list((sweep / f"trial-{t['trial']}").glob("events.out.tfevents.*"))
+        assert list((folder / f"trial-{t['trial']}").glob("events.out.tfevents.*"))
     best = max(trials, key=lambda t: float(t["value"]))
-    recipe = yaml.safe_load((sweep / "best.yaml").read_text())
+    recipe = yaml.safe_load((folder / "best.yaml").read_text())
     assert recipe == {"base": "cls.yaml", "train": {"epochs": 1, "label_smoothing": float(best["train.label_smoothing"])},
-                      "model": {"width": 8}, "optim": {"lr": pytest.approx(float(best["optim.lr"]))}}
-    assert (sweep / "history.png").stat().st_size > 0 and f"trial {best['trial']:>3s}" in result.stdout
+                      "model": {"width": 8}, "optim": {"lr": pytest.approx(float(best["optim.lr"]))},
+                      **({"log": {"to": ["tensorboard", "mlflow"]}} if TRACKED else {})}
+    assert (folder / "history.png").stat().st_size > 0 and f"trial {best['trial']:>3s}" in result.stdout
     for t in trials:  # each trial's epochs are shown as they end, as train.py shows its figures
         assert f"  epoch 1/1: val top1 {float(t['value']):.2%} (trial best {float(t['value']):.2%}" in result.stdout
-    trained = run_python("train.py", "--recipe", str(sweep / "best.yaml"), f"project={tmp_path}", "name=best")
+    trained = run_python("train.py", "--recipe", str(folder / "best.yaml"), f"project={tmp_path}", "name=best")
     assert trained.returncode == 0, trained.stderr[-3000:]
     saved = yaml.safe_load((tmp_path / "best" / "recipe.yaml").read_text())
     assert saved["optim"]["lr"] == pytest.approx(float(best["optim.lr"])) and saved["model"]["width"] == 8
-    again = run_python("tune.py", "--report", str(sweep))  # the report alone, from the folder
+    again = run_python("tune.py", "--report", str(folder))  # the report alone, from the folder
     assert again.returncode == 0 and "3 trials (3 complete)" in again.stdout
+
+
+@pytest.mark.slow
+def test_a_sweep_is_one_mlflow_parent_run_with_a_child_run_per_trial(sweep):
+    """tune.py with log.to naming mlflow: the sweep's parent run, and each trial's train.py recording into its own
+    child run, with the trial's sampled keys as parameters and its state as a tag."""
+    mlflow, optuna = pytest.importorskip("mlflow"), pytest.importorskip("optuna")
+    project, result = sweep
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    client = mlflow.MlflowClient(f"sqlite:///{project.parent / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("tune").experiment_id])
+    (parent,) = [r for r in runs if r.info.run_name == "cls-space"]
+    children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert len(runs) == 4 and sorted(children) == ["trial-0", "trial-1", "trial-2"]
+    assert parent.data.params["space.optim.lr"] == "{high: 0.2, log: true, low: 0.02}"
+    assert "optim.lr" not in parent.data.params and parent.data.params["train.epochs"] == "1"
+    assert parent.data.params["model.width"] == "8"
+    study = optuna.load_study(study_name="cls-space", storage=f"sqlite:///{project / 'cls-space' / 'study.db'}")
+    for trial in study.trials:
+        child = children[f"trial-{trial.number}"]
+        assert child.data.tags["trial_state"] == trial.state.name == "COMPLETE"
+        assert child.info.status == "FINISHED"
+        assert {k: child.data.params[k] for k in trial.params} == {k: str(v) for k, v in trial.params.items()}
+        assert child.data.metrics["val/top1"] == pytest.approx(trial.value, rel=1e-6)
+    scores = {m.step: m.value for m in client.get_metric_history(parent.info.run_id, "value")}
+    assert scores == pytest.approx({t.number: t.value for t in study.trials})  # each trial's score, by its number
+    parent = client.get_run(parent.info.run_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["best_trial"] == str(study.best_trial.number)
+    assert parent.data.metrics["best_value"] == pytest.approx(study.best_value)
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"trials.csv", "best.yaml", "history.png",
+                                                                            "importances.png"}
 
 
 @pytest.mark.parametrize("space_text, expected", [
@@ -116,7 +163,7 @@ def start_sweep_and_wait_for_a_checkpoint(command, sweep):
 @pytest.mark.slow
 def test_a_sweep_stopped_mid_trial_goes_on_with_the_same_command_resuming_the_trial(space, tmp_path):
     command = sweep_command(space, tmp_path, 2, "train.save_every_steps=5")
-    command[command.index("train.epochs=1")] = "train.epochs=6"  # left alone, a trial runs on for seconds
+    command[command.index("train.epochs=1")] = "train.epochs=3"  # left alone, a trial runs on for seconds
     sweep = tmp_path / "cls-space"
     sweeper = start_sweep_and_wait_for_a_checkpoint(command, sweep)
     sweeper.send_signal(signal.SIGTERM)
@@ -131,7 +178,7 @@ def test_a_sweep_stopped_mid_trial_goes_on_with_the_same_command_resuming_the_tr
     assert [t["state"] for t in trials] == ["FAIL", "COMPLETE", "COMPLETE"]
     assert trials[1]["retry_of"] == "0" and trials[1]["optim.lr"] == trials[0]["optim.lr"]  # trial 0 ran again
     assert "resuming at epoch" in (sweep / "logs" / "trial-1.txt").read_text()  # in trial 0's run, from its last.pt
-    assert not (sweep / "trial-1").exists() and len(tune.epoch_scores(sweep / "trial-0" / "results.csv", "top1")) == 6
+    assert not (sweep / "trial-1").exists() and len(tune.epoch_scores(sweep / "trial-0" / "results.csv", "top1")) == 3
     assert trials[2]["optim.lr"] != trials[0]["optim.lr"]  # a new trial draws new keys (its own seed)
     assert float(trials[0]["seconds"]) < float(trials[1]["seconds"]) + 60  # the time it ran, not until the retry
     assert "3 trials (2 complete, 1 fail)" in result.stdout
@@ -259,23 +306,17 @@ def test_trials_of_different_schedules_are_compared_at_the_same_fraction_of_them
 
 
 @pytest.mark.slow
-def test_nproc_runs_each_trial_under_torchrun(tmp_path):
-    space = tmp_path / "lr.yaml"
-    space.write_text("optim.lr: {low: 0.02, high: 0.2, log: true}\n")
-    result = run_python(*sweep_command(space, tmp_path, 1, "--nproc", "2"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert [t["state"] for t in read_trials(tmp_path / "cls-lr")] == ["COMPLETE"]
-    assert "train: 2 process(es) on cpu" in (tmp_path / "cls-lr" / "logs" / "trial-0.txt").read_text()
-
-
-@pytest.mark.slow
-def test_the_best_trial_is_scored_on_a_test_split_that_chose_nothing_and_the_sweep_is_named_after_its_data(tmp_path):
+def test_nproc_runs_each_trial_under_torchrun_and_the_best_is_scored_on_a_test_split_that_chose_nothing(tmp_path):
+    """--nproc 2: each trial is a torchrun launch; and with a test split beside val, the best trial's best.pt is
+    scored there; the sweep is named after its data."""
     data = make_image_folder(tmp_path / "shapes", {split: {"a": n, "b": n} for split, n in
                                                    (("train", 12), ("val", 4), ("test", 5))})
     space = tmp_path / "lr.yaml"
     space.write_text("optim.lr: {low: 0.02, high: 0.2, log: true}\n")
-    result = run_python(*sweep_command(space, tmp_path, 1, f"data.name={data}", "data.img_size=12"))
+    result = run_python(*sweep_command(space, tmp_path, 1, f"data.name={data}", "data.img_size=12", "--nproc", "2"))
     assert result.returncode == 0, result.stderr[-3000:]
+    assert [t["state"] for t in read_trials(tmp_path / "cls-lr-shapes")] == ["COMPLETE"]
+    assert "train: 2 process(es) on cpu" in (tmp_path / "cls-lr-shapes" / "logs" / "trial-0.txt").read_text()
     held_out = [line for line in result.stdout.splitlines() if line.startswith("held out: ")]
     assert held_out == [f"held out: trial 0's best.pt scores top1 {held_out[0].split()[7]} on {data / 'test'}, which "
                         "chose nothing"]

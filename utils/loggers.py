@@ -14,9 +14,10 @@ from tqdm import tqdm
 
 from utils.config import results_keys
 from utils.distributed import when_failing
-from utils.general import LOGGER, RANK, colorstr
+from utils.general import LOGGER, RANK, WORLD_SIZE, colorstr
 from utils.once import atomic_write
 from utils.plots import confusion_figure, figure_array, labelled_grid, results_figure, save_figure
+from utils.torch_utils import de_parallel
 from utils.trackers import first_line, flat_params, open_trackers
 
 # results.csv's columns, also the TensorBoard tags of the epoch scalars but for those TENSORBOARD_TAGS renames.
@@ -306,6 +307,19 @@ def format_value(value):
 def format_share(value):
     """A share to three decimals, '-' for None."""
     return "-" if value is None else f"{value:.3f}"
+
+
+def startup_line(cfg, device, feed, datasets, state, dtype, steps, resumed=False):
+    """The line that says how the run trains: processes, device, threads and workers (feed: (threads, workers, why)),
+    the data (datasets: (train, val)), the model and its precision, the batch, and where a resumed run goes on."""
+    (threads, workers, why), (train_set, val_set) = feed, datasets
+    params = sum(p.numel() for p in de_parallel(state.model).parameters())
+    return (f"{colorstr('train:')} {WORLD_SIZE} process(es) on {device.type}, {threads} thread(s) and {workers} "
+            f"worker(s) each ({why}); {len(train_set)} train / {len(val_set)} val images, {len(train_set.classes)} "
+            f"classes; {cfg.model.name} ({params:,} parameters) in {str(dtype or torch.float32).removeprefix('torch.')}"
+            f"{', multi-label' if cfg.data.multilabel else ''}; batch {cfg.train.batch_size} "
+            f"({cfg.train.batch_size // WORLD_SIZE} per process), {steps} steps per epoch"
+            f"{f'; resuming at epoch {state.epoch + 1}, step {state.step}' if resumed else ''}")
 
 
 def epoch_summary(metrics, epochs):

@@ -8,7 +8,6 @@ import argparse
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.metrics import precision_recall_curve
 from torch import nn
 
 from utils.distributed import all_gather_rows, all_reduce_sum, shared_work
@@ -150,6 +149,8 @@ def class_curve(positive, probs, default=0.5):
     threshold times the recall it adds; one call instead of two, whose input checks cost three times the curve),
     and the threshold (a label counts from it up) of the best cut, the lowest of equally good ones. (None, default)
     without positives."""
+    from sklearn.metrics import precision_recall_curve  # here: importing scikit-learn costs a second at start-up
+
     if not positive.any():
         return None, default
     precision, recall, thresholds = precision_recall_curve(positive, probs)

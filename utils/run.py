@@ -1,19 +1,56 @@
 """A run's directory over its life: made for a new run, found again for --resume or after a torchrun restart
 of the workers, and the commands printed for what comes next (resume, val, predict, export)."""
 
+import argparse
 import glob
 import os
 import shlex
 import shutil
 import socket
+import sys
 from pathlib import Path
 
 from utils.checkpoint import find_resume_checkpoint, load_training_checkpoint, run_dir_of
-from utils.config import Recipe, check_resumable, load_recipe, load_resumed_recipe, parse_overrides, recipe_to_yaml
-from utils.distributed import on_rank0
+from utils.config import (Recipe, RecipeError, check_resumable, flag_as_key, keys_help, load_recipe,
+                          load_resumed_recipe, parse_overrides, recipe_to_yaml)
+from utils.distributed import on_rank0, when_failing
 from utils.general import (LOCAL_WORLD_SIZE, LOGGER, RANK, RESTART_COUNT, RUN_ID, WORLD_SIZE, SharedError, UsageError,
                            colorstr, increment_path, short_path)
 from utils.metrics import BEST_METRIC_NAMES
+
+
+def parse_args(argv=None):
+    """--recipe NAME or --resume [PATH], --project and --name (the recipe keys project and name, spelled as val.py
+    and predict.py spell them), and key=value overrides; any other --flag that names a recipe key (--epochs 3) is
+    refused with the key=value that sets it."""
+    parser = argparse.ArgumentParser(description="Train an image classifier from a recipe.", epilog=keys_help(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", help="recipe path, or a name in recipes/ (default: cls.yaml)")
+    parser.add_argument("--resume", nargs="?", const="", metavar="PATH",
+                        help="continue a run exactly: a checkpoint, a run directory, or (no PATH) the newest run "
+                             "under project; the recipe comes from the checkpoint")
+    parser.add_argument("--check", action="store_true",
+                        help="check the recipe, data and model as a run would, then exit without training or "
+                             "writing a run (tune.py checks a sweep's recipe so)")
+    for key, what in (("project", "runs go to PROJECT/NAME"), ("name", "run name, incremented (exp, exp2, ...)")):
+        parser.add_argument(f"--{key}", help=f"the same as the recipe key {key}={key.upper()} (val.py and predict.py "
+                                             f"take --{key} too): {what}")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. optim.lr=0.05")
+    words = sys.argv[1:] if argv is None else list(argv)
+    args, unknown = parser.parse_known_intermixed_args(words)  # key=value after a --flag VALUE too
+    if hint := flag_as_key(words, unknown):
+        raise RecipeError(hint)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.resume and "=" in args.resume and not Path(args.resume).exists():  # `--resume key=value`: no PATH
+        args.overrides.insert(0, args.resume)
+        args.resume = ""
+    for key, value in (("project", args.project), ("name", args.name)):
+        given = [item for item in args.overrides if item.partition("=")[0] == key]
+        if value is not None and given:
+            raise RecipeError(f"--{key} {value} and {given[0]} both set {key}; give one")
+        args.overrides += [] if value is None else [f"{key}={value}"]
+    return args
 
 
 def prepare_run(args, model_check=None, settle=None):
@@ -101,7 +138,8 @@ def saved_at(ckpt):
 
 
 def make_run_dir(cfg):
-    """Rank 0 claims project/name (exp, exp2, ...) and saves the resolved recipe there; every rank gets the path."""
+    """Rank 0 claims project/name (exp, exp2, ...) and saves the resolved recipe there; every rank gets the path. A
+    run that fails before its first checkpoint leaves nothing behind (remove_if_unsaved)."""
     def claim():
         try:
             run_dir = increment_path(Path(cfg.project) / cfg.name, mkdir=True)
@@ -113,7 +151,9 @@ def make_run_dir(cfg):
             raise UsageError(f"project={cfg.project!r} name={cfg.name!r}: cannot create the run directory: "
                              f"{e}") from None
         return str(run_dir)
-    return Path(on_rank0(claim))
+    run_dir = Path(on_rank0(claim))
+    when_failing(lambda: remove_if_unsaved(run_dir))
+    return run_dir
 
 
 def remove_if_unsaved(run_dir):
