@@ -27,7 +27,7 @@ from conftest import ROOT, closed_port, console_lines, http_server, run_python
 from data.shard_sets import INDEX_KIND, ShardCache, ShardSamples, open_shard_set, per_sample_arrays, read_json
 from test_download import SLOW_ANSWER, byte_at_a_time
 from test_n_invariance import served_shards, write_images
-from test_shards import RECIPE, jpeg_file, members, png_file
+from test_shards import RECIPE, jpeg_file, members, png_file, train_refuses
 from utils.general import DatasetError, ImageError
 from utils.once import HOST, Stalled
 
@@ -186,7 +186,7 @@ def test_a_cached_copy_damaged_on_this_disk_is_named_and_removed_then_fetched_ag
 
 
 @pytest.mark.slow
-def test_a_local_shard_cut_short_or_missing_is_named(shard_set, tmp_path):
+def test_a_local_shard_cut_short_or_missing_is_named(shard_set, tmp_path, capsys):
     local = tmp_path / "shards"
     shutil.copytree(shard_set / "shards", local)
     shard = local / "train" / "train-000002.tar"
@@ -204,9 +204,9 @@ def test_a_local_shard_cut_short_or_missing_is_named(shard_set, tmp_path):
     with pytest.raises(DatasetError, match=f"^data.name: {shard}: the shard cannot be opened \\(Is a directory\\)$"):
         ShardSamples(split, ShardCache(tmp_path / "cache")).image_bytes(first)
     shard.rmdir()
-    result = run_python("train.py", *RECIPE, f"data.name={local}", f"project={tmp_path}")
-    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
-    assert result.stderr.strip().endswith(f"data.name: {shard}: the shard index names it, but it is not there")
+    error = train_refuses([*RECIPE, f"data.name={local}", f"project={tmp_path}"], capsys)
+    assert len(error.splitlines()) == 1 and error.endswith(f"data.name: {shard}: the shard index names it, but it is "
+                                                           f"not there"), error[-3000:]
 
 
 @pytest.mark.slow
@@ -248,12 +248,11 @@ def test_a_server_that_does_not_answer_is_said_while_each_try_waits(log, quick_r
 
 
 @pytest.mark.slow
-def test_a_host_that_does_not_resolve_is_named_at_once(tmp_path):
-    result = run_python("train.py", *RECIPE, "data.name=http://no-such-host.invalid/shards", f"project={tmp_path}")
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert result.stderr.strip().startswith("train.py: error: data.name: http://no-such-host.invalid/shards/"
-                                            "dataset.json cannot be fetched: its host does not resolve (")
-    assert result.stderr.strip().endswith("); check data.name") and "Traceback" not in result.stderr
+def test_a_host_that_does_not_resolve_is_named_at_once(tmp_path, capsys):
+    error = train_refuses([*RECIPE, "data.name=http://no-such-host.invalid/shards", f"project={tmp_path}"], capsys)
+    assert error.startswith("train.py: error: data.name: http://no-such-host.invalid/shards/dataset.json cannot be "
+                            "fetched: its host does not resolve (")
+    assert error.endswith("); check data.name") and "Traceback" not in error
 
 
 def changed_copy(shard_set, tmp_path, change):
@@ -340,14 +339,14 @@ def test_a_hostile_top_file_or_index_is_refused_naming_the_file_shard_and_field(
 ])
 @pytest.mark.slow
 def test_a_top_file_or_index_nested_too_deep_or_with_a_number_too_long_ends_the_run_in_one_line(
-        shard_set, tmp_path, file, what, change, reason):
+        shard_set, tmp_path, file, what, change, reason, capsys):
     local = tmp_path / "shards"
     shutil.copytree(shard_set / "shards", local)
     (local / file).write_text(change((local / file).read_text()))
-    result = run_python("train.py", *RECIPE, f"data.name={local}", f"project={tmp_path}")
-    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-3000:]
-    assert result.stderr.startswith(f"train.py: error: data.name: {local / file}: {what} is JSON too deeply nested "
-                                    f"or too long to read ({reason}"), result.stderr
+    error = train_refuses([*RECIPE, f"data.name={local}", f"project={tmp_path}"], capsys)  # in this process
+    assert len(error.splitlines()) == 1, error[-3000:]
+    assert error.startswith(f"train.py: error: data.name: {local / file}: {what} is JSON too deeply nested or too long "
+                            f"to read ({reason}"), error
 
 
 @pytest.mark.slow
@@ -540,7 +539,7 @@ def test_a_killed_fetch_s_temporary_file_holds_no_room_in_the_cache_budget(shard
 
 
 @pytest.mark.slow
-def test_a_local_set_moved_before_a_resume_is_resumed_from_its_new_place(shard_set, tmp_path):
+def test_a_local_set_moved_before_a_resume_is_resumed_from_its_new_place(shard_set, tmp_path, capsys):
     local, moved = tmp_path / "shards", tmp_path / "elsewhere" / "shards"
     shutil.copytree(shard_set / "shards", local)
     recipe = [*RECIPE, "train.epochs=1", f"project={tmp_path}"]
@@ -550,9 +549,8 @@ def test_a_local_set_moved_before_a_resume_is_resumed_from_its_new_place(shard_s
     result = run_python("train.py", "--resume", tmp_path / "exp", "train.epochs=2", f"data.name={moved}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "epoch 2/2 " in result.stdout
-    result = run_python("train.py", "--resume", tmp_path / "exp", "train.epochs=3", "data.name=digits")
-    assert result.returncode == 2
-    assert "data.name='digits' cannot change on resume" in result.stderr, result.stderr[-2000:]
+    error = train_refuses(["--resume", tmp_path / "exp", "train.epochs=3", "data.name=digits"], capsys)
+    assert "data.name='digits' cannot change on resume" in error, error[-2000:]
 
 
 def mpo_file(path):

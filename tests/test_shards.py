@@ -16,6 +16,8 @@ import pytest
 import torch
 from PIL import Image
 
+import train
+
 from conftest import closed_port, console_lines, http_server, read_results, run_python
 from data.sampler import shard_permutation
 from data.shard_sets import ShardCache, TrainShards, open_shard_set
@@ -367,7 +369,7 @@ def test_a_damaged_shard_is_named_fetched_or_read_in_place(shard_set, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_resume_on_a_changed_shard_set_is_refused_naming_what_changed(shard_set, tmp_path):
+def test_a_resume_on_a_changed_shard_set_is_refused_naming_what_changed(shard_set, tmp_path, capsys):
     local = tmp_path / "shards"
     shutil.copytree(shard_set / "shards", local)
     recipe = [*RECIPE, "train.epochs=1", f"project={tmp_path}", f"data.cache_dir={tmp_path}/cache"]
@@ -377,30 +379,33 @@ def test_a_resume_on_a_changed_shard_set_is_refused_naming_what_changed(shard_se
     shutil.rmtree(local)  # the same images, written again in larger shards
     result = run_python("-m", "data.shards", write_images(tmp_path / "data"), local, "--shard-size", "4KB")
     assert result.returncode == 0, result.stderr[-3000:]
-    result = run_python("train.py", "--resume", tmp_path / "exp", "train.epochs=2")
-    assert result.returncode == 2
-    line = result.stderr.strip().splitlines()[-1]
+    line = train_refuses(["--resume", tmp_path / "exp", "train.epochs=2"], capsys).splitlines()[-1]
     assert line.startswith(f"train.py: error: {tmp_path}/exp/weights/last.pt: its shard set changed since it was "
                            f"trained: train: "), line
     assert "shard(s) changed (train-000000.tar, train-000001.tar, train-000002.tar, ...)" in line
     assert "shard(s) removed (" in line and line.endswith("; resume with the shards it trained on, or start a new run")
 
 
+def train_refuses(argv, capsys):
+    """train.py's error for argv, run in this process: it exits with code 2 and says only that line."""
+    with pytest.raises(SystemExit) as stop:
+        train.main(list(map(str, argv)))
+    assert stop.value.code == 2
+    return capsys.readouterr().err.strip()
+
+
 @pytest.mark.slow
-def test_keys_a_shard_set_cannot_take_are_refused_before_any_work(shard_set, tmp_path):
+def test_keys_a_shard_set_cannot_take_are_refused_before_any_work(shard_set, tmp_path, capsys):
     for key, value in (("data.cache", "ram"), ("data.val_split", "0.2")):
-        result = run_python("train.py", *RECIPE, f"data.name={shard_set}/shards", f"{key}={value}",
-                            f"project={tmp_path}")
-        assert result.returncode == 2 and not (tmp_path / "exp").exists()
-        assert result.stderr.strip() == (f"train.py: error: {key}={value}: "
-                                         f"{'a shard set is read as it is stored' if key == 'data.cache' else 'a shard set holds its own val split'}; "
-                                         f"set {key}={'none' if key == 'data.cache' else 0} with "
-                                         f"data.name={shard_set}/shards")
-    result = run_python("train.py", *RECIPE, f"data.name={shard_set}/shards/train/index.json", f"project={tmp_path}")
-    assert result.returncode == 2
-    assert result.stderr.strip() == (f"train.py: error: data.name: {shard_set}/shards/train/index.json: the shard "
-                                     f"set's top file is not a cls-shards-v1 file (its __kind__ is "
-                                     f"'wids-shard-index-v1')")
+        error = train_refuses([*RECIPE, f"data.name={shard_set}/shards", f"{key}={value}", f"project={tmp_path}"],
+                              capsys)
+        assert not (tmp_path / "exp").exists()
+        reason = "a shard set is read as it is stored" if key == "data.cache" else "a shard set holds its own val split"
+        assert error == (f"train.py: error: {key}={value}: {reason}; set {key}={'none' if key == 'data.cache' else 0} "
+                         f"with data.name={shard_set}/shards")
+    error = train_refuses([*RECIPE, f"data.name={shard_set}/shards/train/index.json", f"project={tmp_path}"], capsys)
+    assert error == (f"train.py: error: data.name: {shard_set}/shards/train/index.json: the shard set's top file is "
+                     f"not a cls-shards-v1 file (its __kind__ is 'wids-shard-index-v1')")
 
 
 def webdataset_tar(path, samples):

@@ -410,13 +410,13 @@ def test_workers_starting_together_both_open_the_new_study(tmp_path):
 
 @pytest.mark.slow
 def test_two_workers_on_one_study_run_distinct_trials(space, tmp_path):
-    command = [sys.executable, *sweep_command(space, tmp_path, 4)]
+    command = [sys.executable, *sweep_command(space, tmp_path, 3)]
     workers = [subprocess.Popen(command, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                for _ in range(2)]
     outputs = [w.communicate(timeout=300) for w in workers]
     assert all(w.returncode == 0 for w in workers), [err[-2000:] for _, err in outputs]
     trials = read_trials(tmp_path / "cls-space")
-    assert 4 <= len(trials) <= 5 and all(t["state"] == "COMPLETE" for t in trials)  # each checks, then asks
+    assert 3 <= len(trials) <= 4 and all(t["state"] == "COMPLETE" for t in trials)  # each checks, then asks
     ran = [[line.split()[2].rstrip(":") for line in out.splitlines() if line.startswith("tune: trial")]
            for out, _ in outputs]
     assert all(ran) and not set(ran[0]) & set(ran[1])  # both worked, never on the same trial
