@@ -121,6 +121,18 @@ def launch_n_invariance(base, data, *options):
     return projects
 
 
+def fails(argv, capsys, script=None):
+    """The one-line error of script.main(argv) (train.py by default), run in this process: after checking that it
+    exits with code 2 and no traceback, what it wrote to stderr."""
+    if script is None:
+        import train as script
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(list(map(str, argv)))
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in error
+    return error
+
+
 def run_weights(run_dir):
     """A run's final weights (last.pt) as one float64 vector."""
     model = load_checkpoint(run_dir / "weights" / "last.pt")["model"]

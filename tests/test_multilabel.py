@@ -17,9 +17,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import export
 import predict
-import train
 import val
-from conftest import (check_metrics_json, forward_logits, launch_n_invariance, make_image_folder, read_results,
+from conftest import (check_metrics_json, fails, forward_logits, launch_n_invariance, make_image_folder, read_results,
                       rounding_tolerances, run_python, run_torchrun, run_weights, step_losses)
 from data.layouts import csv_dataset
 from data.mix import batch_mixer
@@ -58,15 +57,6 @@ def write_multilabel(root, n_train=37, n_val=9, seed=0):
                 Image.fromarray(pixels.astype(np.uint8)).save(root / split / f"{i:02d}.png")
                 writer.writerow([f"{split}/{i:02d}.png", "|".join(labels)])
     return root
-
-
-def fails(argv, capsys, script=train):
-    """The script's one-line error for argv, after checking it exits with code 2 and no traceback."""
-    with pytest.raises(SystemExit) as exit_info:
-        script.main(argv)
-    error = capsys.readouterr().err
-    assert exit_info.value.code == 2 and "Traceback" not in error
-    return error
 
 
 # --- data ---------------------------------------------------------------------------------------------------------

@@ -23,11 +23,11 @@ from PIL import Image
 import data.shard_sets as shard_sets
 import data.shards as shards
 import utils.once
-from conftest import ROOT, closed_port, console_lines, http_server, run_python
+from conftest import ROOT, closed_port, console_lines, fails, http_server, run_python
 from data.shard_sets import INDEX_KIND, ShardCache, ShardSamples, open_shard_set, per_sample_arrays, read_json
 from test_download import SLOW_ANSWER, byte_at_a_time
 from test_n_invariance import served_shards, write_images
-from test_shards import RECIPE, jpeg_file, members, png_file, train_refuses
+from test_shards import RECIPE, jpeg_file, members, png_file
 from utils.general import DatasetError, ImageError
 from utils.once import HOST, Stalled
 
@@ -204,7 +204,7 @@ def test_a_local_shard_cut_short_or_missing_is_named(shard_set, tmp_path, capsys
     with pytest.raises(DatasetError, match=f"^data.name: {shard}: the shard cannot be opened \\(Is a directory\\)$"):
         ShardSamples(split, ShardCache(tmp_path / "cache")).image_bytes(first)
     shard.rmdir()
-    error = train_refuses([*RECIPE, f"data.name={local}", f"project={tmp_path}"], capsys)
+    error = fails([*RECIPE, f"data.name={local}", f"project={tmp_path}"], capsys).strip()
     assert len(error.splitlines()) == 1 and error.endswith(f"data.name: {shard}: the shard index names it, but it is "
                                                            f"not there"), error[-3000:]
 
@@ -249,7 +249,7 @@ def test_a_server_that_does_not_answer_is_said_while_each_try_waits(log, quick_r
 
 @pytest.mark.slow
 def test_a_host_that_does_not_resolve_is_named_at_once(tmp_path, capsys):
-    error = train_refuses([*RECIPE, "data.name=http://no-such-host.invalid/shards", f"project={tmp_path}"], capsys)
+    error = fails([*RECIPE, "data.name=http://no-such-host.invalid/shards", f"project={tmp_path}"], capsys).strip()
     assert error.startswith("train.py: error: data.name: http://no-such-host.invalid/shards/dataset.json cannot be "
                             "fetched: its host does not resolve (")
     assert error.endswith("); check data.name") and "Traceback" not in error
@@ -343,7 +343,7 @@ def test_a_top_file_or_index_nested_too_deep_or_with_a_number_too_long_ends_the_
     local = tmp_path / "shards"
     shutil.copytree(shard_set / "shards", local)
     (local / file).write_text(change((local / file).read_text()))
-    error = train_refuses([*RECIPE, f"data.name={local}", f"project={tmp_path}"], capsys)  # in this process
+    error = fails([*RECIPE, f"data.name={local}", f"project={tmp_path}"], capsys).strip()  # in this process
     assert len(error.splitlines()) == 1, error[-3000:]
     assert error.startswith(f"train.py: error: data.name: {local / file}: {what} is JSON too deeply nested or too long "
                             f"to read ({reason}"), error
@@ -549,7 +549,7 @@ def test_a_local_set_moved_before_a_resume_is_resumed_from_its_new_place(shard_s
     result = run_python("train.py", "--resume", tmp_path / "exp", "train.epochs=2", f"data.name={moved}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "epoch 2/2 " in result.stdout
-    error = train_refuses(["--resume", tmp_path / "exp", "train.epochs=3", "data.name=digits"], capsys)
+    error = fails(["--resume", tmp_path / "exp", "train.epochs=3", "data.name=digits"], capsys).strip()
     assert "data.name='digits' cannot change on resume" in error, error[-2000:]
 
 

@@ -16,9 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-import train
-
-from conftest import closed_port, console_lines, http_server, read_results, run_python
+from conftest import closed_port, console_lines, fails, http_server, read_results, run_python
 from data.sampler import shard_permutation
 from data.shard_sets import ShardCache, TrainShards, open_shard_set
 from data.transforms import CropSpec
@@ -379,31 +377,23 @@ def test_a_resume_on_a_changed_shard_set_is_refused_naming_what_changed(shard_se
     shutil.rmtree(local)  # the same images, written again in larger shards
     result = run_python("-m", "data.shards", write_images(tmp_path / "data"), local, "--shard-size", "4KB")
     assert result.returncode == 0, result.stderr[-3000:]
-    line = train_refuses(["--resume", tmp_path / "exp", "train.epochs=2"], capsys).splitlines()[-1]
+    line = fails(["--resume", tmp_path / "exp", "train.epochs=2"], capsys).strip().splitlines()[-1]
     assert line.startswith(f"train.py: error: {tmp_path}/exp/weights/last.pt: its shard set changed since it was "
                            f"trained: train: "), line
     assert "shard(s) changed (train-000000.tar, train-000001.tar, train-000002.tar, ...)" in line
     assert "shard(s) removed (" in line and line.endswith("; resume with the shards it trained on, or start a new run")
 
 
-def train_refuses(argv, capsys):
-    """train.py's error for argv, run in this process: it exits with code 2 and says only that line."""
-    with pytest.raises(SystemExit) as stop:
-        train.main(list(map(str, argv)))
-    assert stop.value.code == 2
-    return capsys.readouterr().err.strip()
-
-
 @pytest.mark.slow
 def test_keys_a_shard_set_cannot_take_are_refused_before_any_work(shard_set, tmp_path, capsys):
     for key, value in (("data.cache", "ram"), ("data.val_split", "0.2")):
-        error = train_refuses([*RECIPE, f"data.name={shard_set}/shards", f"{key}={value}", f"project={tmp_path}"],
-                              capsys)
+        error = fails([*RECIPE, f"data.name={shard_set}/shards", f"{key}={value}", f"project={tmp_path}"],
+                      capsys).strip()
         assert not (tmp_path / "exp").exists()
         reason = "a shard set is read as it is stored" if key == "data.cache" else "a shard set holds its own val split"
         assert error == (f"train.py: error: {key}={value}: {reason}; set {key}={'none' if key == 'data.cache' else 0} "
                          f"with data.name={shard_set}/shards")
-    error = train_refuses([*RECIPE, f"data.name={shard_set}/shards/train/index.json", f"project={tmp_path}"], capsys)
+    error = fails([*RECIPE, f"data.name={shard_set}/shards/train/index.json", f"project={tmp_path}"], capsys).strip()
     assert error == (f"train.py: error: data.name: {shard_set}/shards/train/index.json: the shard set's top file is "
                      f"not a cls-shards-v1 file (its __kind__ is 'wids-shard-index-v1')")
 

@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
 import train
-from conftest import ROOT, console_lines, make_image_folder, read_results, run_python, run_torchrun
+from conftest import ROOT, console_lines, fails, make_image_folder, read_results, run_python, run_torchrun
 from data.datasets import build_dataloader, build_datasets, dataset_root
 from data.transforms import normalizer, val_transforms
 from models import build_model, check_batch_for_batchnorm
@@ -221,15 +221,6 @@ def test_single_process_on_user_folder_with_few_classes_from_10_class_weights(im
     assert len(rows) == 2 and all(r["val/top5"] == "" for r in rows)  # top-5 needs 5 classes
     assert "1 process(es)" in log.text and "16 train / 7 val images, 3 classes" in log.text
     assert load_checkpoint(tmp_path / "runs" / "tiny" / "weights" / "last.pt")["classes"] == ["ant", "bee", "cat"]
-
-
-def fails(argv, capsys):
-    """train.py's one-line error for argv, after checking it exits with code 2 and no traceback."""
-    with pytest.raises(SystemExit) as exit_info:
-        train.main(argv)
-    error = capsys.readouterr().err
-    assert exit_info.value.code == 2 and "Traceback" not in error
-    return error
 
 
 def test_unknown_key_exits_before_any_work(tmp_path, capsys):
