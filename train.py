@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from data.cache import device_batches
+from data.batches import device_batches
 from data.datasets import balanced_class_weights, input_feed, set_epoch, training_data
 from data.layouts import held_out_folder, save_split
 from data.shard_sets import check_same_shards

@@ -37,7 +37,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from data.cache import batch_to, decode_jpegs  # noqa: E402
+from data.batches import batch_to, decode_jpegs  # noqa: E402
 from data.shards import main as write_shards  # noqa: E402
 from data.datasets import build_dataloader, input_feed, set_epoch, training_datasets  # noqa: E402
 from data.transforms import crop_spec, normalizer  # noqa: E402

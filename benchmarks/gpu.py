@@ -14,7 +14,7 @@ of whole training steps for
   (f) those shards decoded on the GPU by nvJPEG;
 
 each with torch.compile off and on, printed as a ratio to (a) with the same compile setting, with the peak GPU memory
-of each. As train.py does (data.cache.device_batches), each batch is moved, decoded and cropped on a side stream
+of each. As train.py does (data.batches.device_batches), each batch is moved, decoded and cropped on a side stream
 while the step before it runs; (d) is also timed without that, each batch prepared between steps.
 
 --crops times the resized crops alone on 256 of the photos, decoded: torchvision's resized_crop one image at a time
@@ -43,7 +43,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from data.cache import batch_to, decode_jpegs, device_batches  # noqa: E402
+from data.batches import batch_to, decode_jpegs, device_batches  # noqa: E402
 from data.shards import main as write_shards  # noqa: E402
 from data.datasets import build_dataloader, input_feed, set_epoch, training_datasets  # noqa: E402
 from data.sampler import sample_seed  # noqa: E402

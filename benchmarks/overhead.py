@@ -32,7 +32,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.cache import batch_to  # noqa: E402
+from data.batches import batch_to  # noqa: E402
 from data.datasets import build_dataloader, input_feed, set_epoch, training_datasets  # noqa: E402
 from data.transforms import crop_spec, normalizer  # noqa: E402
 from models import build_model  # noqa: E402

@@ -132,7 +132,7 @@ def memory():
 def read_rate(loader, device, spec, batches):
     """(images, start, end) of reading `batches` batches of loader onto device after one untimed batch, the ranks
     starting together; the memory figures taken while its workers live."""
-    from data.cache import batch_to
+    from data.batches import batch_to
 
     feed = iter(loader)
     batch_to(next(feed), device, spec)  # starts the workers

@@ -15,36 +15,30 @@ available and the container's room, shared by the processes on the machine. Imag
 memory reserved for that budget, a few chunks at a time, so building a cache takes the memory of its pixels, not a
 second copy (decode_all).
 
-batch_to moves either cache's batches to the training device; the JPEG cache's (data/jpeg_cache.py) are decoded and
-cropped by decode_crop, here beside it. device_batches does it for a loader, each batch prepared while the step
-before it runs.
+A training RamImages is a SeededBatches (data/batches.py), whose batch_to crops its batches on the device.
 """
 
-import functools
 import math
 import mmap
-import queue
-import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import closing, nullcontext, suppress
+from contextlib import closing
 from itertools import islice
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
+from data.batches import SeededBatches
 from data.multilabel import multi_hot
-from data.sampler import sample_seed
-from data.transforms import crop_batch, crop_params, crop_spec
+from data.transforms import crop_spec
 from utils.general import LOGGER, SharedError, colorstr, cpu_count
 from utils.memory import MEMORY_SHARE, memory_budget, size_text
 
 MEASURE = "measure"  # RamImages' default budget: memory_budget() when it is made
 
 
-class RamImages(Dataset):
+class RamImages(SeededBatches):
     """A dataset's images, decoded (and with `transform`, transformed) once into one flat uint8 tensor, each image
     (C, H, W) at its own size; loaders fetch whole batches (__getitems__), padded to the batch's largest image. With
     a crop spec (training), images are stored as store_transform makes them, and a batch also holds each sample's
@@ -52,7 +46,7 @@ class RamImages(Dataset):
     `used` bytes cached before it must fit (None: no check)."""
 
     def __init__(self, source, transform=None, spec=None, seed=0, budget=MEASURE, used=0):
-        self.classes, self.root, self.spec, self.seed, self.epoch = source.classes, source.root, spec, seed, 0
+        self.classes, self.root, self.spec, self.seed = source.classes, source.root, spec, seed
         self.samples = getattr(source, "samples", None)  # image files, where the source has them
         # Multi-label: the source's class-index tuples, made multi-hot per batch (a byte per class and image
         # would be 1.3 GB at ImageNet's size with 1,000 classes)
@@ -75,22 +69,16 @@ class RamImages(Dataset):
         """Bytes the cached images take."""
         return self.pixels.nbytes
 
-    def set_epoch(self, epoch):
-        """Choose the epoch whose crops the next batches draw (workers are not persistent: each epoch sees it)."""
-        self.epoch = epoch
-
-    def __getitems__(self, ids):
-        """A batch of ids (copy k of image i is id i + k * len(self), as SeededSamples'): (images, targets), and
-        for training the (N, 5) crop params drawn from each id's seed for this epoch on the image's original size,
-        and the (N, 2) scales that map them to the stored image."""
-        ids = np.asarray(ids, dtype=np.uint64)
-        index = torch.from_numpy((ids % len(self)).astype(np.int64))
+    def read(self, ids, index):
+        """A batch's (images, targets, sizes, scales) (see SeededBatches): its images padded to the batch's largest
+        (gather); for training each image's original size, which its crop box is drawn on, and the (N, 2) scales that
+        map it to the stored image."""
+        index = torch.from_numpy(index)
         targets = (multi_hot([self.targets[i] for i in index.tolist()], len(self.classes)) if self.multilabel
                    else self.targets[index])
         if self.spec is None:
-            return self.gather(index), targets
-        params = seeded_crops(self.seed, self.epoch, ids, self.sizes[index], self.spec)
-        return self.gather(index), targets, params, self.scales[index]
+            return self.gather(index), targets, None, None
+        return self.gather(index), targets, self.sizes[index], self.scales[index]
 
     def gather(self, index):
         """The images of index as one (N, C, H, W) tensor of the batch's largest height and width, each image in
@@ -106,17 +94,8 @@ class RamImages(Dataset):
             out[:, :h, :w] = pixels[start : start + c * h * w].reshape(c, h, w)
         return torch.from_numpy(batch)
 
-    def __getitem__(self, i):
-        return tuple(value[0] for value in self.__getitems__([i]))
-
     def __len__(self):
         return len(self.targets)
-
-
-def seeded_crops(seed, epoch, ids, sizes, spec):
-    """(N, 5) int64 crop params of sample ids in an epoch, drawn from each id's seed on its (N, 2) (height, width)
-    sizes: the per-image path's crop box and flip of each sample."""
-    return torch.from_numpy(crop_params(sample_seed(seed, epoch, ids), sizes[:, 0], sizes[:, 1], spec))
 
 
 def store_side(spec):
@@ -242,114 +221,3 @@ def too_big(what, budget):
     return SharedError(f"data.cache=ram: {what}, more than this process's budget of {size_text(budget.nbytes)} "
                        f"({MEMORY_SHARE:.0%} of the {size_text(budget.room)} {budget.source}{shared}); set "
                        f"data.cache=none to decode per image")
-
-
-def keep_batch(batch):
-    """collate_fn for RamImages, whose __getitems__ already returns whole batches."""
-    return batch
-
-
-def packed(blobs):
-    """A batch's JPEG bytes as one flat uint8 tensor and their lengths (unpacked by batch_to): two tensors cross from
-    a DataLoader worker to the training process, not one per image, each of which costs a shared-memory file and
-    its mapping (a list of 256 held a loader under 3,500 images/s on a 2-core CPU; packed, over 12,000)."""
-    flat = torch.cat(blobs) if blobs else torch.empty(0, dtype=torch.uint8)
-    return flat, torch.tensor([len(blob) for blob in blobs], dtype=torch.int64)
-
-
-def decode_jpegs(blobs, device):
-    """JPEG bytes (a list of 1-D uint8 CPU tensors) as RGB uint8 (C, H, W) images on device, in one call: every
-    JPEG this project decodes from bytes goes through here. TorchCodec's decoder (libjpeg-turbo on the CPU, nvJPEG on
-    CUDA; torchvision's own decode_jpeg is deprecated in its favour, and gives the same pixels), imported here, where
-    it is used: 50-70 ms that a run of the RAM cache does not pay."""
-    from torchcodec.decoders import decode_jpeg
-
-    return decode_jpeg(blobs, mode="RGB", device=device)
-
-
-def decode_crop(blobs, params, scales, spec, device):
-    """The JPEG cache's training batch: JPEG bytes (a list of 1-D uint8 CPU tensors) decoded in one call on device
-    (decode_jpegs), then cropped and flipped (crop_batch: at once on a GPU, one image at a time on a CPU) into one
-    uint8 (N, C, size, size) batch."""
-    return crop_batch(decode_jpegs(blobs, device), params.to(device, non_blocking=True), spec, scales)
-
-
-def batch_to(batch, device, spec):
-    """A loader's batch on device as (uint8 images, targets); the RAM cache's training batches are cropped and
-    flipped there (crop_batch), the JPEG cache's JPEG bytes (a list) decoded, cropped and flipped there
-    (decode_crop), given packed (packed) or as a list."""
-    images, targets, *crop = batch
-    if isinstance(images, tuple):
-        flat, lengths = images
-        images = list(flat.split(lengths.tolist()))
-    if isinstance(images, list):
-        return decode_crop(images, *crop, spec, device), targets.to(device, non_blocking=True)
-    images, targets, *crop = (tensor.to(device, non_blocking=True) for tensor in batch)
-    return (crop_batch(images, crop[0], spec, *crop[1:]) if crop else images), targets
-
-
-def device_batches(loader, device, spec, ahead=None):
-    """The loader's batches on device as batch_to makes them, in order. On CUDA (ahead: by default, on CUDA only)
-    each is prepared while the step before it runs: a thread takes the loader's batches and moves, decodes and crops
-    them on a side stream, one batch ahead of the training loop, so that its waits (nvJPEG's decoder blocks the
-    calling thread until its batch is done) hold up neither the queueing of the step's kernels nor the step. The
-    training stream waits for a batch's work (an event) before using it, and its tensors are marked as used there
-    (record_stream), so that their memory is not reused while the step reads them. An error in the loader or the
-    preparation is raised here, in the training loop, as it was raised. Costs up to two batches on the device beyond
-    the one training. Use as a context manager (or close it): leaving the loop early stops the thread before the
-    loader is used again. On a CPU the batches are prepared in line: the step already has the cores (the README's
-    first command, 5 alternated launches: 0.98x of the time before this function with batches in line, 1.03x with
-    the thread, within a spread of about 8%)."""
-    if not (device.type == "cuda" if ahead is None else ahead):
-        yield from (batch_to(batch, device, spec) for batch in loader)
-        return
-    stream = side_stream(device) if device.type == "cuda" else None
-    ready, stop = queue.Queue(maxsize=1), threading.Event()
-    worker = threading.Thread(target=prepare_batches, args=(loader, device, spec, stream, ready, stop), daemon=True,
-                              name="device_batches")
-    worker.start()
-    try:
-        while (item := ready.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            tensors, done = item
-            if stream is not None:
-                current = torch.cuda.current_stream(device)
-                current.wait_event(done)
-                for tensor in tensors:
-                    tensor.record_stream(current)
-            yield tensors
-    finally:
-        stop.set()
-        while worker.is_alive():  # a thread blocked on a full queue sees stop within its timeout
-            with suppress(queue.Empty):
-                ready.get(timeout=0.1)
-            worker.join(timeout=0.1)
-
-
-@functools.cache
-def side_stream(device):
-    """One side stream per device for all epochs: the caching allocator keeps freed memory for reuse on the stream
-    that allocated it, so a new stream each epoch would strand the last one's."""
-    return torch.cuda.Stream(device)
-
-
-def prepare_batches(loader, device, spec, stream, ready, stop):
-    """device_batches' thread: each of the loader's batches through batch_to on stream, put on ready with the event
-    that marks its work done; then None, or the error met. Ends early once stop is set."""
-    def put(item):
-        while not stop.is_set():
-            with suppress(queue.Full):
-                return ready.put(item, timeout=0.1)
-
-    try:
-        with torch.cuda.device(device) if stream is not None else nullcontext(), \
-                torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for batch in loader:
-                tensors = batch_to(batch, device, spec)
-                put((tensors, stream.record_event() if stream is not None else None))
-                if stop.is_set():
-                    return
-        put(None)
-    except BaseException as error:  # noqa: BLE001 - handed to the training loop, which raises it
-        put(error)

@@ -14,7 +14,8 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 import utils.general
-from data.cache import cached_datasets, keep_batch
+from data.batches import SeededBatches, SeededSamples, keep_batch
+from data.cache import cached_datasets
 from data.cifar import CIFAR, cifar_dataset
 from data.jpeg_cache import decodes_on_device, jpeg_datasets
 from data.layouts import (CLASS_FOLDERS, CSV_FILES, SPLIT_FILE, VAL_NAMES, HoldOut, Listing, csv_dataset, csv_datasets,
@@ -23,7 +24,7 @@ from data.layouts import (CLASS_FOLDERS, CSV_FILES, SPLIT_FILE, VAL_NAMES, HoldO
 from data.mix import batch_mixer
 from data.multilabel import check_task, positive_weights, write_multidigits
 from data.shard_sets import describe, eval_shards, shard_datasets
-from data.sampler import BalancedSampler, DistributedShuffleSampler, SeededSamples, seed_hash
+from data.sampler import BalancedSampler, DistributedShuffleSampler, seed_hash
 from data.transforms import crop_spec, train_transforms, val_size, val_transforms
 from data.verify import UNREADABLE, decode, unreadable_images, unreadable_reason
 from utils.checkpoint import run_dir_of
@@ -410,11 +411,11 @@ def build_dataloader(dataset, batch_size, train, seed, workers, device, drop_las
                      balanced=False):
     """DataLoader over this rank's share of dataset (see DistributedShuffleSampler); batch_size is global.
 
-    For training the order is shuffled per epoch and each sample's augmentation seeded (see SeededSamples); call
-    set_epoch(loader, epoch) before each epoch. With pairs, consecutive samples of the order come in pairs on one
-    rank (for MixUp and CutMix); repeats > 1 is repeated augmentation; balanced draws each class equally often
-    (BalancedSampler, from dataset.targets). A RamImages dataset gathers whole batches itself (and seeds its
-    training crops the same way).
+    For training the order is shuffled per epoch and each sample's augmentation seeded: a training set is read a
+    batch at a time as a SeededBatches (data/batches.py), a dataset of image files or arrays through SeededSamples;
+    call set_epoch(loader, epoch) before each epoch. With pairs, consecutive samples of the order come in pairs on
+    one rank (for MixUp and CutMix); repeats > 1 is repeated augmentation; balanced draws each class equally often
+    (BalancedSampler, from dataset.targets).
     """
     options = dict(rank=RANK, world_size=WORLD_SIZE, shuffle=train, seed=seed, batch_size=batch_size,
                    drop_last=train and drop_last, group=2 if pairs else 1, repeats=repeats if train else 1,
@@ -422,11 +423,12 @@ def build_dataloader(dataset, batch_size, train, seed, workers, device, drop_las
     sampler = (BalancedSampler(dataset.targets, **options) if train and balanced
                else DistributedShuffleSampler(len(dataset), **options))
     # Worker w seeds torch, random and numpy with base + w, base drawn from this generator, which set_epoch
-    # reseeds from (seed, epoch, rank); the transforms of training samples draw from SeededSamples' seeds instead.
+    # reseeds from (seed, epoch, rank); the augmentation of training samples draws from their own seeds instead.
     generator = torch.Generator().manual_seed(seed_hash(seed, 0, RANK))
-    batched = hasattr(dataset, "__getitems__")  # the caches' and shard sets' training sets: whole batches
-    return DataLoader(SeededSamples(dataset, seed) if train and not batched else dataset,
-                      batch_size=batch_size // WORLD_SIZE, sampler=sampler, num_workers=workers,
+    if train and not isinstance(dataset, SeededBatches):
+        dataset = SeededSamples(dataset, seed)
+    batched = hasattr(dataset, "__getitems__")  # every training set, and the caches' validation sets
+    return DataLoader(dataset, batch_size=batch_size // WORLD_SIZE, sampler=sampler, num_workers=workers,
                       collate_fn=keep_batch if batched else None, pin_memory=device.type == "cuda",
                       generator=generator, worker_init_fn=leave_process_group)
 

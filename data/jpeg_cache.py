@@ -4,7 +4,7 @@ Training images are stored as JPEG bytes (quality 90) at the shorter side the RA
 what the recipe's crops can use), validation images as the raw uint8 pixels of their transforms (which are not
 random: exactly the per-image path's, so val.py agrees with the run). A batch is its images' bytes gathered from
 the page cache, which every process and DataLoader worker on the machine shares: no copy per process and no
-memory budget. JPEGs are decoded by cache.decode_jpegs (TorchCodec), a whole batch in one call: on the GPU (nvJPEG)
+memory budget. JPEGs are decoded by batches.decode_jpegs (TorchCodec), a whole batch in one call: on the GPU (nvJPEG)
 when training on CUDA, else in the DataLoader workers; then each image is cropped and flipped where it was decoded
 (cache.decode_crop), from the same per-sample seeds as the RAM cache's crops, so every promise of the RAM cache
 holds: the same crop boxes at any number of processes, and exact mid-epoch resume.
@@ -56,7 +56,8 @@ import torch
 from torchvision.transforms import v2
 from tqdm import tqdm
 
-from data.cache import decode_crop, packed, seeded_crops, store_side, store_transform
+from data.batches import SeededBatches
+from data.cache import store_side, store_transform
 from data.transforms import crop_spec
 from utils.general import LOGGER, DatasetError, ImageError, colorstr, cpu_count, short_path
 from utils.memory import size_text
@@ -85,14 +86,13 @@ def decodes_on_device(cfg, device):
     return cfg.jpeg_decode == "device" or (cfg.jpeg_decode == "auto" and device.type == "cuda")
 
 
-class JpegImages(torch.utils.data.Dataset):
-    """A split's images in a cache file (see the module's docstring); like RamImages, loaders fetch whole batches
-    (__getitems__). Training sets (spec given) return each batch decoded, cropped and flipped (decode_crop), or when
-    on_device its JPEG bytes (packed: one flat uint8 tensor and the lengths) with each sample's crop params for the epoch and the
-    stored image's scale, for batch_to to decode and crop on the device; validation sets return the stored pixels."""
+class JpegImages(SeededBatches):
+    """A split's images in a cache file (see the module's docstring), read a batch at a time (a SeededBatches, as
+    RamImages): training's JPEG bytes, decoded, cropped and flipped in the worker or, on_device, on the training
+    device (batch_to); validation's stored pixels."""
 
     def __init__(self, source, path, header, index, opened, spec=None, seed=0, on_device=False):
-        self.classes, self.root, self.spec, self.seed, self.epoch = source.classes, source.root, spec, seed, 0
+        self.classes, self.root, self.spec, self.seed = source.classes, source.root, spec, seed
         self.samples = getattr(source, "samples", None)
         self.path, self.raw, self.channels, self.on_device = path, header["raw"], header["channels"], on_device
         self.index, self.count = index, len(index)  # the file's own rows, mapped (open_cache): no copy per process
@@ -103,10 +103,6 @@ class JpegImages(torch.utils.data.Dataset):
     def nbytes(self):
         """Bytes of the cache file."""
         return self.file_bytes
-
-    def set_epoch(self, epoch):
-        """Choose the epoch whose crops the next batches draw."""
-        self.epoch = epoch
 
     def __getstate__(self):
         return {**self.__dict__, "file": None, "index": None}  # for DataLoader workers of the spawn start method
@@ -156,22 +152,17 @@ class JpegImages(torch.utils.data.Dataset):
         return ImageError(f"data.cache=jpeg: {self.path}: image {i} (from {source}) does not match its CRC-32: the "
                           f"file is damaged; removed it, so the next start rewrites it")
 
-    def __getitems__(self, ids):
-        ids = np.asarray(ids, dtype=np.uint64)
-        index = (ids % len(self)).astype(np.int64)
+    def read(self, ids, index):
+        """A batch's (images, targets, sizes, scales) (see SeededBatches): training's JPEG bytes, with the original
+        sizes their crops are drawn on and the scales to the stored images; validation's stored pixels."""
         rows = self.index[index]  # a copy of the batch's rows
         blobs = [self.blob(i, row) for i, row in zip(index.tolist(), rows)]
         targets, stored = torch.from_numpy(rows["target"].astype(np.int64)), sides(rows, "height", "width")
         if self.raw:
-            return torch.stack([b.view(self.channels, *size) for b, size in zip(blobs, stored.tolist())]), targets
-        sizes = sides(rows, "drawn_height", "drawn_width")  # the crops are drawn on the original size
-        params, scales = seeded_crops(self.seed, self.epoch, ids, sizes, self.spec), (stored / sizes).float()
-        if self.on_device:
-            return packed(blobs), targets, params, scales
-        return decode_crop(blobs, params, scales, self.spec, torch.device("cpu")), targets
-
-    def __getitem__(self, i):
-        return tuple(value[0] for value in self.__getitems__([i]))
+            images = torch.stack([b.view(self.channels, *size) for b, size in zip(blobs, stored.tolist())])
+            return images, targets, None, None
+        sizes = sides(rows, "drawn_height", "drawn_width")
+        return blobs, targets, sizes, (stored / sizes).float()
 
     def __len__(self):
         return self.count

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Sampler
 
 MASK64 = (1 << 64) - 1
 SHARD_ORDER = 0x5A4D  # a salt: the shard order's seed is not any sample's
@@ -23,7 +23,7 @@ class DistributedShuffleSampler(Sampler):
     positions [i*B, (i+1)*B) of the permutation, the same global batch at any world size, and each group lies on
     one rank. drop_last drops the permutation's last partial global batch, so every rank takes the same number of
     steps. With repeats=K (repeated augmentation), each sample appears K times in a row, each copy with its own id
-    (index + copy * dataset_size, see SeededSamples) and augmentation, and the epoch is cut back to dataset_size
+    (index + copy * dataset_size, see data/batches.py) and augmentation, and the epoch is cut back to dataset_size
     samples, so it costs what an epoch without repeats does. set_epoch(epoch, start_step) skips the steps a
     resumed run has already done, without loading their images. windows=(shard_of, W, shards), for a shard set: the
     epoch's samples regrouped window by window (see windowed), so a stretch of steps reads W shards.
@@ -177,38 +177,6 @@ def occurrence(order):
     first[1:] = values[1:] != values[:-1]
     run_start = torch.where(first, position, 0).cummax(0).values
     return torch.empty_like(order).scatter_(0, index, position - run_start)
-
-
-class SeededSamples(Dataset):
-    """Wrap a dataset so that sample i's random transforms in epoch e draw from torch's generator seeded by
-    (seed, e, i) alone.
-
-    A sample is then augmented the same way whichever rank or DataLoader worker loads it, at any world size or
-    number of workers, and a run resumed mid-epoch can redo any step exactly. An id i >= len(dataset) is copy
-    i // len(dataset) of sample i % len(dataset) (repeated augmentation): the same image, augmented afresh. The
-    caller's generator state is restored afterwards, so with no workers the main process's stream (dropout, ...)
-    is left as it was.
-    """
-
-    def __init__(self, dataset, seed=0):
-        self.dataset, self.seed, self.epoch = dataset, seed, 0
-
-    def set_epoch(self, epoch):
-        """Choose the epoch whose augmentation the next iteration draws. Workers get a fresh copy of this object
-        each epoch (the DataLoader's workers are not persistent), so they see it."""
-        self.epoch = epoch
-
-    def __getitem__(self, index):
-        state = torch.get_rng_state()
-        # The CPU generator alone: torch.manual_seed would also reseed every GPU's stream.
-        torch.default_generator.manual_seed(sample_seed(self.seed, self.epoch, index))
-        try:
-            return self.dataset[index % len(self.dataset)]
-        finally:
-            torch.set_rng_state(state)
-
-    def __len__(self):
-        return len(self.dataset)
 
 
 def sample_seed(seed, epoch, index):

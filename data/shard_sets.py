@@ -55,9 +55,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from data.cache import decode_crop, packed, seeded_crops
+from data.batches import SeededBatches
 from data.transforms import train_transforms
-from data.sampler import sample_seed, shard_permutation
+from data.sampler import shard_permutation
 from data.verify import UNREADABLE, decode, unreadable_reason
 from utils.download import Refused, TooLong, fetch
 from utils.memory import size_text
@@ -685,49 +685,29 @@ class ShardSamples(Dataset):
         return len(self.targets)
 
 
-class TrainShards(ShardSamples):
-    """Training samples, a batch at a time (__getitems__, like the JPEG cache's JpegImages): JPEG bytes, cropped and
-    flipped from the per-sample seeds (seeded_crops), decoded in the worker (decode_crop) or, on_device, returned as
-    packed bytes for batch_to to decode on the device. With a transform (data.auto_augment or data.random_erase,
-    which act per image), each image is decoded by PIL and transformed as an image file is, torch's generator seeded
-    per sample as SeededSamples seeds it."""
+class TrainShards(ShardSamples, SeededBatches):
+    """Training samples, a batch at a time (a SeededBatches, as the JPEG cache's JpegImages): JPEG bytes, cropped and
+    flipped from the per-sample seeds, decoded in the worker or, on_device, on the training device. With a transform
+    (data.auto_augment or data.random_erase, which act per image), each image is decoded by PIL and transformed as
+    an image file is, torch's generator seeded per sample as SeededSamples seeds it."""
 
     def __init__(self, split, cache, spec, seed=0, on_device=False, window=8, transform=None):
         super().__init__(split, cache, window)
-        self.spec, self.seed, self.on_device, self.epoch, self.ahead = spec, seed, on_device, 0, None
+        self.spec, self.seed, self.on_device, self.ahead = spec, seed, on_device, None  # ahead: (epoch, window)
         self.transform = transform
         self.windows = (self.shard_of, window, len(split.shards))  # for the sampler's order
 
-    def set_epoch(self, epoch):
-        self.epoch, self.ahead = epoch, None
-
-    def __getitems__(self, ids):
-        ids = np.asarray(ids, dtype=np.uint64)
-        index = (ids % len(self)).astype(np.int64)
+    def read(self, ids, index):
+        """A batch's (images, targets, sizes, scales) (see SeededBatches): JPEG bytes with the sizes the index holds
+        (stored at their own size), or with a per-image transform the finished images."""
         self.read_ahead(int(index[0]))
         data = [self.image_bytes(int(i)) for i in index]
         targets = self.targets[torch.from_numpy(index)]
         if self.transform is not None:
-            return torch.stack([self.transformed(d, int(i)) for d, i in zip(data, ids)]), targets
-        sizes = self.split.sizes[torch.from_numpy(index)]
+            images = [self.seeded(int(i), lambda d=d: self.transform(decode(io.BytesIO(d)))) for d, i in zip(data, ids)]
+            return torch.stack(images), targets, None, None
         blobs = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in data]
-        scales = torch.ones(len(index), 2)  # stored at their own size
-        params = seeded_crops(self.seed, self.epoch, ids, sizes, self.spec)
-        if self.on_device:
-            return packed(blobs), targets, params, scales
-        return decode_crop(blobs, params, scales, self.spec, torch.device("cpu")), targets
-
-    def __getitem__(self, i):
-        return tuple(value[0] for value in self.__getitems__([i]))
-
-    def transformed(self, data, sample_id):
-        """One image through the per-image transform, drawing from sample_id's seed (the caller's stream kept)."""
-        state = torch.get_rng_state()
-        torch.default_generator.manual_seed(sample_seed(self.seed, self.epoch, sample_id))
-        try:
-            return self.transform(decode(io.BytesIO(data)))
-        finally:
-            torch.set_rng_state(state)
+        return blobs, targets, self.split.sizes[torch.from_numpy(index)], torch.ones(len(index), 2)
 
     def read_ahead(self, i):
         """On the cache's keeper, fetch the shards of the window after sample i's in the background (once a
@@ -737,9 +717,9 @@ class TrainShards(ShardSamples):
         order = shard_permutation(self.seed, self.epoch, len(self.split.shards))
         position = int((order == int(self.shard_of[i])).nonzero()[0, 0])
         following = position // self.window + 1
-        if following == self.ahead:
+        if (self.epoch, following) == self.ahead:
             return
-        self.ahead = following
+        self.ahead = (self.epoch, following)
         shards = [self.split.shards[int(s)] for s in order[following * self.window : (following + 1) * self.window]]
         threading.Thread(target=self.fetch_quietly, args=(shards,), daemon=True).start()
 

@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 from torchvision.datasets import ImageFolder
 
 from data.mix import batch_mixer, pair_partners
-from data.sampler import SeededSamples
+from data.batches import SeededSamples
 from data.transforms import preprocessing, train_transforms, val_transforms
 from utils.config import DataConfig
 

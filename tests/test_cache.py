@@ -7,9 +7,9 @@ from omegaconf import OmegaConf
 from PIL import Image
 from torchvision.datasets import ImageFolder
 
-from data.cache import RamImages, batch_to, keep_batch
+from data.batches import SeededSamples, batch_to, keep_batch
+from data.cache import RamImages
 from data.datasets import build_dataloader, build_datasets, set_epoch
-from data.sampler import SeededSamples
 from data.transforms import crop_spec, train_transforms, val_transforms
 from utils.config import DataConfig, RecipeError, load_recipe
 from utils.general import SharedError

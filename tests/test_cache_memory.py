@@ -20,8 +20,8 @@ import data.transforms
 import utils.general
 import utils.memory
 from conftest import run_python
-from data.cache import RamImages, batch_to, store_side
-from data.sampler import SeededSamples
+from data.batches import SeededSamples, batch_to
+from data.cache import RamImages, store_side
 from data.transforms import crop_spec, train_transforms
 from utils.config import DataConfig
 from utils.general import SharedError

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torchvision.transforms.v2 import functional as TF
 
-from data.cache import device_batches
+from data.batches import device_batches
 from data.transforms import BATCHED_CPU_PIXELS, CropSpec, crop_batch, resized_crop, resized_crops, stacked
 
 SIZE = 24

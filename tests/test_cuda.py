@@ -13,7 +13,7 @@ from torch import nn
 
 import train
 from conftest import read_results, run_python, run_torchrun
-from data.cache import batch_to, device_batches
+from data.batches import batch_to, device_batches
 from data.datasets import build_datasets
 from data.jpeg_cache import jpeg_datasets
 from data.transforms import CropSpec, crop_batch, crop_spec, val_transforms

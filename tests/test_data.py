@@ -1,14 +1,20 @@
 """Datasets: the embedded digits ImageFolder, user ImageFolders, and their errors."""
 
+import io
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
+from PIL import Image
 
-from data.datasets import build_datasets, check_shareable, dataset_root, split_dir, write_digits
-from data.transforms import normalizer, train_transforms, val_transforms
+import data.datasets
+from conftest import ROOT
+from data.datasets import (build_dataloader, build_datasets, check_shareable, dataset_root, set_epoch, split_dir,
+                           write_digits)
+from data.transforms import crop_spec, normalizer, train_transforms, val_transforms
 from utils.config import DataConfig
 from utils.general import DatasetError
 
@@ -145,3 +151,41 @@ def test_training_images_much_smaller_than_data_img_size_are_said_with_the_recip
     log.clear()
     training_data(load_recipe("cls.yaml", [f"data.name={small}", "data.img_size=83"]), torch.device("cpu"), 0)
     assert "much smaller" not in log.text
+
+
+def documented_storage():
+    """The storage class docs/data.md's "A storage of your own" shows, run as written there."""
+    section = (ROOT / "docs" / "data.md").read_text().split("## A storage of your own")[1]
+    namespace = {}
+    exec(re.search(r"```python\n(.*?)```", section, re.S).group(1), namespace)
+    return namespace["StoredJpegs"]
+
+
+def test_the_documented_storage_of_your_own_trains_the_same_crops_at_one_two_and_three_processes(monkeypatch):
+    rng, store, sizes = np.random.default_rng(0), {}, []
+    for i in range(13):  # larger than 32 px: a CPU crops them one at a time, exactly
+        image, buffer = rng.integers(0, 256, (40 + i, 36 + 2 * i, 3), dtype=np.uint8), io.BytesIO()
+        Image.fromarray(image).save(buffer, "JPEG")
+        store[f"images/{i}.jpg"] = buffer.getvalue()
+        sizes.append(image.shape[:2])
+    spec = crop_spec(OmegaConf.structured(DataConfig(img_size=16, scale=[0.3, 1.0], hflip=0.5)))
+    dataset = documented_storage()(store, list(store), [i % 3 for i in range(13)], sizes, list("abc"), spec, seed=5)
+
+    def epoch(number, world, workers=0):
+        """{sample id: its training crop} over every rank's loader, as build_dataloader makes them."""
+        crops = {}
+        for rank in range(world):
+            monkeypatch.setattr(data.datasets, "RANK", rank)
+            monkeypatch.setattr(data.datasets, "WORLD_SIZE", world)
+            loader = build_dataloader(dataset, 6, True, 5, workers, torch.device("cpu"))
+            set_epoch(loader, number)
+            images, targets = (torch.cat(parts) for parts in zip(*loader))
+            assert torch.equal(targets, torch.tensor(list(loader.sampler)) % 3)
+            crops.update(zip(loader.sampler, images))
+        return crops
+
+    one = epoch(0, 1)
+    assert sorted(one) == list(range(13)) and {c.shape for c in one.values()} == {(3, 16, 16)}
+    for world, workers in ((2, 0), (3, 0), (1, 2)):
+        assert all(torch.equal(crop, one[i]) for i, crop in epoch(0, world, workers).items()), (world, workers)
+    assert sum(torch.equal(crop, one[i]) for i, crop in epoch(1, 1).items()) < 3  # drawn again each epoch

@@ -12,7 +12,8 @@ from torchvision.datasets import ImageFolder
 import train
 import val
 from conftest import Lookup, make_image_folder, read_results, run_python, run_torchrun
-from data.cache import RamImages, batch_to
+from data.batches import batch_to
+from data.cache import RamImages
 from data.datasets import balanced_class_weights, build_dataloader, set_epoch
 from data.sampler import BalancedSampler
 from data.transforms import crop_spec, train_transforms

@@ -142,7 +142,7 @@ def test_data_and_models_import_no_script_nor_each_other():
 
 
 def test_jpeg_bytes_are_decoded_in_one_place_by_torchcodec_not_torchvisions_deprecated_decoders():
-    """data/cache.py's decode_jpegs is the one decoder of JPEG bytes; torchvision.io's decoders appear only in
+    """data/batches.py's decode_jpegs is the one decoder of JPEG bytes; torchvision.io's decoders appear only in
     benchmarks/data.py, which measures TorchCodec against them."""
     users = {str(path.relative_to(ROOT)) for path in ROOT.rglob("*.py") if "tests" not in path.parts
              and ".venv" not in str(path) and re.search(r"torchvision\.io import|torchvision\.io\.decode",
@@ -150,4 +150,4 @@ def test_jpeg_bytes_are_decoded_in_one_place_by_torchcodec_not_torchvisions_depr
     assert users == {"benchmarks/data.py"}
     decoders = {str(path.relative_to(ROOT)) for path in ROOT.rglob("*.py") if "tests" not in path.parts
                 and "from torchcodec" in path.read_text()}
-    assert decoders == {"data/cache.py"}
+    assert decoders == {"data/batches.py"}

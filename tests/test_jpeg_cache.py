@@ -21,7 +21,7 @@ from PIL import Image
 import train
 import val
 from conftest import ROOT, clean_env, read_results, run_python, run_torchrun
-from data.cache import batch_to
+from data.batches import batch_to
 from data.datasets import build_datasets
 from data.jpeg_cache import (FOOTER, INDEX_DTYPE, MAGIC, JpegImages, StaleCache, jpeg_datasets, open_cache, post,
                               posted, read_at)

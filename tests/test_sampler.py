@@ -7,7 +7,8 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
 
-from data.sampler import BalancedSampler, DistributedShuffleSampler, SeededSamples, shard_permutation
+from data.batches import SeededSamples, keep_batch
+from data.sampler import BalancedSampler, DistributedShuffleSampler, shard_permutation
 from data.transforms import train_transforms
 import utils.config
 from utils.config import DataConfig, RecipeError, load_recipe
@@ -152,7 +153,7 @@ def augmented_epoch(dataset, world, workers, epoch, seed=0):
         samples = SeededSamples(dataset, seed)
         sampler.set_epoch(epoch)
         samples.set_epoch(epoch)
-        loader = DataLoader(samples, batch_size=2, sampler=sampler, num_workers=workers)
+        loader = DataLoader(samples, batch_size=2, sampler=sampler, num_workers=workers, collate_fn=keep_batch)
         batches = torch.cat([batch for batch, _ in loader])
         images.update(zip(list(sampler), batches))
     return images
