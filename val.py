@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from data.datasets import build_dataloader, named_eval_dataset, skip_unreadable, skipped_message
+from data.datasets import build_dataloader
+from data.sources import named_eval_dataset, skip_unreadable, skipped_message
 from data.multilabel import check_task
 from data.transforms import normalizer, val_transforms
 from models import model_from_checkpoint

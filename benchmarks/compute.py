@@ -32,7 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.datasets import build_datasets, dataset_root  # noqa: E402
+from data.sources import build_datasets, dataset_root  # noqa: E402
 from data.transforms import normalizer, val_transforms  # noqa: E402
 from models import build_model, check_model_name  # noqa: E402
 from train import TrainState, train_step  # noqa: E402

@@ -35,7 +35,7 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from data.datasets import dataset_root  # noqa: E402
+from data.sources import dataset_root  # noqa: E402
 from data.multilabel import write_multidigits  # noqa: E402
 from models.pretrained import cache_path, torchvision_weights  # noqa: E402
 

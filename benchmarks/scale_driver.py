@@ -231,7 +231,7 @@ def listing_memory(root, workers):
 
     import numpy as np
 
-    from data.datasets import train_val_datasets
+    from data.sources import train_val_datasets
     from data.jpeg_cache import FOOTER, INDEX_DTYPE, MAGIC, JpegImages, open_cache
     from utils.memory import release_freed_memory
 

@@ -35,10 +35,10 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from data.datasets import train_val_datasets
 from data.jpeg_cache import jpeg_bytes
 from data.layouts import HoldOut
 from data.shard_sets import INDEX_KIND, KIND, TOP
+from data.sources import train_val_datasets
 from data.verify import UNREADABLE, decode, unreadable_reason
 from utils.distributed import exit_on_error
 from utils.general import DatasetError, UsageError, cpu_count, short_path

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import data.jpeg_cache  # noqa: E402
-from data.datasets import build_datasets  # noqa: E402
+from data.sources import build_datasets  # noqa: E402
 from data.transforms import val_transforms  # noqa: E402
 from utils.config import load_recipe  # noqa: E402
 from utils.distributed import FAILURE_GRACE_S, cleanup_distributed, setup_distributed, topology  # noqa: E402

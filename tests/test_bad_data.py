@@ -13,7 +13,7 @@ import data.verify
 import train
 import val
 from conftest import run_torchrun
-from data.datasets import build_datasets, write_digits
+from data.sources import build_datasets, write_digits
 from data.sampler import DistributedShuffleSampler
 from utils.config import load_recipe
 from utils.general import DatasetError, ImageError, cpu_count

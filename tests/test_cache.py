@@ -9,7 +9,8 @@ from torchvision.datasets import ImageFolder
 
 from data.batches import SeededSamples, batch_to, keep_batch
 from data.cache import RamImages
-from data.datasets import build_dataloader, build_datasets, set_epoch
+from data.datasets import build_dataloader, set_epoch
+from data.sources import build_datasets
 from data.transforms import crop_spec, train_transforms, val_transforms
 from utils.config import DataConfig, RecipeError, load_recipe
 from utils.general import SharedError

@@ -14,7 +14,7 @@ from torch import nn
 import train
 from conftest import read_results, run_python, run_torchrun
 from data.batches import batch_to, device_batches
-from data.datasets import build_datasets
+from data.sources import build_datasets
 from data.jpeg_cache import jpeg_datasets
 from data.transforms import CropSpec, crop_batch, crop_spec, val_transforms
 from test_cache import SIZES, data_cfg, ramp_folder

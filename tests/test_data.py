@@ -12,8 +12,8 @@ from PIL import Image
 
 import data.datasets
 from conftest import ROOT
-from data.datasets import (build_dataloader, build_datasets, check_shareable, dataset_root, set_epoch, split_dir,
-                           write_digits)
+from data.datasets import build_dataloader, check_shareable, set_epoch
+from data.sources import build_datasets, dataset_root, split_dir, write_digits
 from data.transforms import crop_spec, normalizer, train_transforms, val_transforms
 from utils.config import DataConfig
 from utils.general import DatasetError

@@ -121,7 +121,7 @@ def test_the_graph_sees_module_and_function_level_imports_of_every_form():
         ("utils.general", 2), ("utils.general", 3), ("data.cifar", 4), ("models", 6), ("utils.general", 8)]
     graph = import_graph()
     assert {"train", "val", "predict", "export", "utils.config", "data.cifar", "models"} <= set(graph)
-    assert "data.cifar" in graph["data.datasets"] and "utils.checkpoint" in graph["models"]  # it does read them
+    assert "data.cifar" in graph["data.sources"] and "utils.checkpoint" in graph["models"]  # it does read them
 
 
 def test_no_import_cycle():

@@ -22,7 +22,7 @@ import train
 import val
 from conftest import ROOT, clean_env, read_results, run_python, run_torchrun
 from data.batches import batch_to
-from data.datasets import build_datasets
+from data.sources import build_datasets
 from data.jpeg_cache import (FOOTER, INDEX_DTYPE, MAGIC, JpegImages, StaleCache, jpeg_datasets, open_cache, post,
                               posted, read_at)
 from data.transforms import crop_spec, val_transforms

@@ -24,7 +24,7 @@ import train
 import val
 from conftest import console_lines, read_results, run_torchrun
 from data.cache import RamImages
-from data.datasets import build_datasets, image_folder, train_val_datasets
+from data.sources import build_datasets, image_folder, train_val_datasets
 from data.layouts import HoldOut, Listing, split_files
 from data.verify import decode
 from utils.checkpoint import load_checkpoint

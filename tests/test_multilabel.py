@@ -82,7 +82,7 @@ def test_csv_labels_split_on_bar_or_spaces_and_load_as_multi_hot(tmp_path):
 
 
 def test_every_csv_of_a_root_splits_labels_as_its_train_csv_does(tmp_path):
-    from data.datasets import eval_dataset
+    from data.sources import eval_dataset
     from data.layouts import csv_datasets
 
     for i in range(3):

@@ -12,7 +12,8 @@ from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
 import train
 from conftest import ROOT, console_lines, fails, make_image_folder, read_results, run_python, run_torchrun
-from data.datasets import build_dataloader, build_datasets, dataset_root
+from data.datasets import build_dataloader
+from data.sources import build_datasets, dataset_root
 from data.transforms import normalizer, val_transforms
 from models import build_model, check_batch_for_batchnorm
 from utils.checkpoint import load_checkpoint

@@ -16,7 +16,7 @@ import export
 import predict
 import val
 from conftest import ROOT, check_metrics_json, forward_logits, read_results, run_torchrun
-from data.datasets import build_datasets, dataset_root
+from data.sources import build_datasets, dataset_root
 from data.transforms import normalizer, val_transforms
 from models import model_from_checkpoint
 from utils.checkpoint import load_checkpoint, load_model_checkpoint
