@@ -98,7 +98,7 @@ def seeded_crops(seed, epoch, ids, sizes, spec):
 
 
 def keep_batch(batch):
-    """collate_fn for the datasets whose __getitems__ returns whole batches (SeededBatches, the caches' val sets)."""
+    """collate_fn for the datasets whose __getitems__ returns whole batches: every SeededBatches."""
     return batch
 
 

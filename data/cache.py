@@ -15,7 +15,7 @@ available and the container's room, shared by the processes on the machine. Imag
 memory reserved for that budget, a few chunks at a time, so building a cache takes the memory of its pixels, not a
 second copy (decode_all).
 
-A training RamImages is a SeededBatches (data/batches.py), whose batch_to crops its batches on the device.
+A training RamImages is a SeededBatches (data/batches.py): its batches are cropped on the device by batch_to.
 """
 
 import math

@@ -6,7 +6,7 @@ random: exactly the per-image path's, so val.py agrees with the run). A batch is
 the page cache, which every process and DataLoader worker on the machine shares: no copy per process and no
 memory budget. JPEGs are decoded by batches.decode_jpegs (TorchCodec), a whole batch in one call: on the GPU (nvJPEG)
 when training on CUDA, else in the DataLoader workers; then each image is cropped and flipped where it was decoded
-(cache.decode_crop), from the same per-sample seeds as the RAM cache's crops, so every promise of the RAM cache
+(batches.decode_crop), from the same per-sample seeds as the RAM cache's crops, so every promise of the RAM cache
 holds: the same crop boxes at any number of processes, and exact mid-epoch resume.
 
 A file is named by what it holds (split, stored size, and a fingerprint of the images: their paths, labels, sizes

@@ -12,6 +12,7 @@ from PIL import Image
 
 import data.datasets
 from conftest import ROOT
+from data.batches import batch_to
 from data.datasets import build_dataloader, check_shareable, set_epoch
 from data.sources import build_datasets, dataset_root, split_dir, write_digits
 from data.transforms import crop_spec, normalizer, train_transforms, val_transforms
@@ -189,3 +190,7 @@ def test_the_documented_storage_of_your_own_trains_the_same_crops_at_one_two_and
     for world, workers in ((2, 0), (3, 0), (1, 2)):
         assert all(torch.equal(crop, one[i]) for i, crop in epoch(0, world, workers).items()), (world, workers)
     assert sum(torch.equal(crop, one[i]) for i, crop in epoch(1, 1).items()) < 3  # drawn again each epoch
+    on_device = documented_storage()(store, list(store), [0] * 13, sizes, list("abc"), spec, seed=5, on_device=True)
+    (flat, lengths), *_ = batch = on_device.__getitems__(list(range(13)))  # JPEG bytes, decoded by batch_to
+    assert lengths.tolist() == [len(data) for data in store.values()] and flat.numel() == lengths.sum()
+    assert torch.equal(batch_to(batch, torch.device("cpu"), spec)[0], torch.stack([one[i] for i in range(13)]))
