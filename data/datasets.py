@@ -167,7 +167,7 @@ def build_dataloader(dataset, batch_size, train, seed, workers, device, drop_las
     generator = torch.Generator().manual_seed(seed_hash(seed, 0, RANK))
     if train and not isinstance(dataset, SeededBatches):
         dataset = SeededSamples(dataset, seed)
-    batched = hasattr(dataset, "__getitems__")  # every training set, and the caches' validation sets
+    batched = isinstance(dataset, SeededBatches)  # every training set, and the caches' validation sets
     return DataLoader(dataset, batch_size=batch_size // WORLD_SIZE, sampler=sampler, num_workers=workers,
                       collate_fn=keep_batch if batched else None, pin_memory=device.type == "cuda",
                       generator=generator, worker_init_fn=leave_process_group)
