@@ -93,6 +93,10 @@ def export(args):
                     f"within {ATOL:g} + {RTOL:g} x |output| (largest difference {difference:.1e} on batches of "
                     f"{', '.join(str(len(x)) for x in checks)})")
         results[fmt] = (path, difference)
+    if cfg.train.precision != "fp32":  # the checks above compared fp32 with fp32
+        LOGGER.info(f"{colorstr('export:')} the model trained and was validated in {cfg.train.precision}; exported "
+                    f"models compute in fp32, which moves its logits by about {cfg.train.precision}'s rounding "
+                    f"(python val.py --weights {weights} --precision fp32 gives their figures)")
     return results
 
 

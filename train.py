@@ -34,8 +34,8 @@ from data.datasets import balanced_class_weights, input_feed, set_epoch, trainin
 from data.layouts import held_out_folder, save_split
 from data.shard_sets import check_same_shards
 from data.transforms import crop_spec, normalizer, val_size
-from models import build_model, check_batch_for_batchnorm, check_input_size, check_model_name, start_from
-from models.pretrained import fine_tuning, follow_weights, freeze_batchnorm
+from models import build_model, check_batch_for_batchnorm, check_input_size, check_model_name, settle, start_from
+from models.pretrained import fine_tuning, freeze_batchnorm
 from utils.checkpoint import restore, save_state
 from utils.config import Recipe, best_metric
 from utils.distributed import (cleanup_distributed, exit_on_error, keep_ranks_in_step, setup_distributed,
@@ -110,7 +110,7 @@ def main(argv=None):
         with StopVote() as vote:
             setup_distributed()
             try:
-                cfg, run_dir, resume = prepare_run(args, check_model_name, follow_weights)
+                cfg, run_dir, resume = prepare_run(args, check_model_name, settle)
                 vote.device = select_device(cfg.device)
                 set_device(vote.device)
                 best = train(cfg, vote, autocast_dtype(cfg.train.precision, vote.device), run_dir, resume, args.check)

@@ -39,13 +39,15 @@ from train import TrainState, train_step  # noqa: E402
 from utils.config import load_recipe  # noqa: E402
 from utils.general import cpu_count  # noqa: E402
 from utils.optim import build_optimizer, build_scheduler  # noqa: E402
-from utils.precision import autocast, grad_scaler  # noqa: E402
+from utils.precision import autocast, grad_scaler, native_precision  # noqa: E402
 from utils.seeds import init_seeds  # noqa: E402
 from utils.torch_utils import memory_format  # noqa: E402
 
 DEVICE = torch.device("cpu")
 BARE_THREADS = 2
 BARE = "bare fp32"
+# What train.precision=auto and train.channels_last=auto pick here for both models (convolutional)
+AUTO = f"train.py {native_precision(DEVICE)}+channels_last"
 SETTINGS = {"train.py fp32": (None, False), "train.py fp32+channels_last": (None, True),  # (autocast dtype, NHWC)
             "train.py bf16": (torch.bfloat16, False), "train.py bf16+channels_last": (torch.bfloat16, True)}
 STEPS_PER_EPOCH = 23  # digits: 1,437 training images in batches of 64
@@ -200,7 +202,7 @@ def spread(values, fmt="{:.2f}"):
 def report(name, size, flops, times, peak_rates, steps):
     """Print one model and size: each side's speed-up over the bare loop per round, its achieved FLOP/s, and that
     as a share of the peaks measured in the same rounds ({'fp32': [FLOP/s per round], 'bf16': [...]}); return the
-    fastest train.py setting and its median speed-up."""
+    fastest train.py setting and its median speed-up, and those of fp32 (the default before auto) and of AUTO."""
     speedups = {label: [b / s for b, s in zip(times[BARE], seconds)] for label, seconds in times.items()}
     for i, (label, seconds) in enumerate(times.items()):
         rates = [flops * steps / s for s in seconds]
@@ -209,7 +211,7 @@ def report(name, size, flops, times, peak_rates, steps):
         print(f"{first[0]:9s} {first[1]:>3s} {first[2]:>6s} {label:28s} {spread(speedups[label]):>17s} "
               f"{statistics.median(rates) / 1e9:8.1f} {shares['fp32']:12.0%} {shares['bf16']:12.0%}")
     best = max(SETTINGS, key=lambda label: statistics.median(speedups[label]))
-    return best, statistics.median(speedups[best])
+    return best, *(statistics.median(speedups[label]) for label in (best, "train.py fp32", AUTO))
 
 
 def main():
@@ -248,7 +250,9 @@ def main():
     print(f"matmul peak, torch.mm 2048x2048, {BARE_THREADS} threads, all rounds, GFLOP/s: fp32 {spread(fp32, '{:.0f}')}"
           f", bf16 {spread(bf16, '{:.0f}')}; bf16 / fp32 {statistics.median(bf16) / statistics.median(fp32):.2f}")
     print("fastest train.py setting: " + "; ".join(f"{n} {s}px {label.removeprefix('train.py ')} {x:.2f}x"
-                                                  for n, s, label, x in best))
+                                                  for n, s, label, x, _, _ in best))
+    print(f"the default, fp32 before and auto ({AUTO.removeprefix('train.py ')} on this CPU) after: " + "; ".join(
+        f"{n} {s}px {before:.2f}x -> {after:.2f}x" for n, s, _, _, before, after in best))
     if train_model:
         results = short_run(train_model, int(train_size), args.train_steps, data_by_size[int(train_size)])
         print(f"\nshort run: {train_model} at {train_size}px, {args.train_steps} steps of 64 from one initialisation, "

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data.batches import batch_to  # noqa: E402
 from data.datasets import build_dataloader, input_feed, set_epoch, training_datasets  # noqa: E402
 from data.transforms import crop_spec, normalizer  # noqa: E402
-from models import build_model  # noqa: E402
+from models import build_model, settle  # noqa: E402
 from train import Loop, TrainState, train_one_epoch  # noqa: E402
 from utils.config import load_recipe  # noqa: E402
 from utils.optim import build_optimizer, build_scheduler  # noqa: E402
@@ -167,7 +167,7 @@ def epoch_times(cfg, args, dtype, threads, workers):
 def probe(args, dtype):
     """{loop: [CPU seconds per step beyond the bare loop's, per round]} on held batches of a tiny model at one
     thread, and the bare loop's median CPU seconds per step there."""
-    cfg = load_recipe(args.recipe, [*args.overrides, *TINY])
+    cfg = settle(load_recipe(args.recipe, [*args.overrides, *TINY]))
     torch.set_num_threads(1)  # one thread: its CPU time is the step's
     train_set = training_set(cfg)
     held = HeldBatches(build_dataloader(train_set, cfg.train.batch_size, True, cfg.seed, 0, DEVICE))
@@ -206,7 +206,7 @@ def main():
                         help="torch threads of every loop; 0: train.py's choice (1 holds steadier on shared cores)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args()
-    cfg = load_recipe(args.recipe, args.overrides)
+    cfg = settle(load_recipe(args.recipe, args.overrides))  # auto: what train.py would pick
     load = os.getloadavg()[0]
     dtype = autocast_dtype(cfg.train.precision, DEVICE)
     threads, workers, why = set_threads(cfg.data.workers, input_feed(cfg.data, DEVICE), DEVICE.type)  # as train.py

@@ -48,7 +48,8 @@ STAGES = {"data.datasets": ("training_data", "training_datasets", "train_val_dat
           "data.jpeg_cache": ("cache", "write_shared", "fingerprint", "open_cache")}
 # 37 images in the test; the digits' 1,437 here. GroupNorm and no dropout: nothing depends on how a batch is split.
 DIGITS = ["train.epochs=1", "model.width=4", "model.depth=2", "model.norm=group", "model.dropout=0",
-          "data.img_size=8", "data.scale=[0.3,1.0]", "data.hflip=0.5", "data.workers=0", "train.log_every_steps=1"]
+          "data.img_size=8", "data.scale=[0.3,1.0]", "data.hflip=0.5", "data.workers=0", "train.log_every_steps=1",
+          "train.precision=fp32", "train.channels_last=false"]
 
 
 class Done(BaseException):

@@ -10,11 +10,12 @@ import torch
 import torchvision
 
 from models.convnet import ConvNet
-from models.pretrained import head_keys, named_state, weights_kind
+from models.pretrained import follow_weights, head_keys, named_state, weights_kind
 from models.resnet_cifar import resnet18_cifar
 from utils.checkpoint import load_checkpoint, state_dict_mismatch
 from utils.distributed import on_rank0
 from utils.general import LOGGER, WORLD_SIZE, SharedError, UsageError, colorstr
+from utils.precision import settle_auto
 from utils.torch_utils import batchnorm_layers
 
 # Their training-mode output is (logits, aux logits): build them with the main head only, so every model
@@ -70,14 +71,31 @@ def build_model(cfg, num_classes, img_size=224):
 
 
 def has_batchnorm(cfg, img_size):
-    """Whether the network of the model section cfg has BatchNorm layers: built on the meta device (no memory, no
-    weights drawn), or on the CPU where its construction reads a tensor's value (timm's drop-path rates)."""
+    """Whether the network of the model section cfg has BatchNorm layers."""
+    return bool(batchnorm_layers(meta_model(cfg, img_size)))
+
+
+def settle(cfg):
+    """The recipe with what it leaves to its pretrained weights (data preprocessing) and to the hardware ('auto'
+    precision and memory format) settled, before the run saves it: recipe.yaml and the checkpoints hold what ran."""
+    return settle_auto(follow_weights(cfg), is_convolutional)
+
+
+def is_convolutional(cfg):
+    """Whether the recipe's network computes mostly in convolutions: more than one Conv2d (a vision transformer's
+    only one is its patch embedding). train.channels_last=auto follows it (utils/precision.settle_auto)."""
+    model = meta_model(cfg.model, cfg.data.img_size)
+    return sum(isinstance(m, torch.nn.Conv2d) for m in model.modules()) > 1
+
+
+def meta_model(cfg, img_size):
+    """The network of the model section cfg, built on the meta device (no memory, no weights drawn), or on the CPU
+    where its construction reads a tensor's value (timm's drop-path rates)."""
     try:
         with torch.device("meta"):
-            model = build_model(cfg, 2, img_size)
+            return build_model(cfg, 2, img_size)
     except (RuntimeError, NotImplementedError):
-        model = build_model(cfg, 2, img_size)
-    return bool(batchnorm_layers(model))
+        return build_model(cfg, 2, img_size)
 
 
 def check_batch_for_batchnorm(cfg, world_size=WORLD_SIZE):

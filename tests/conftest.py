@@ -261,16 +261,19 @@ def http_server(root, stop_after=None, cut_first=0, trickle=False, no_length=Fal
 
 
 def forward_logits(weights, files):
-    """The checkpoint's model's outputs for each image file, prepared as val.py and predict.py prepare it."""
+    """The checkpoint's model's outputs for each image file, prepared as val.py and predict.py prepare it and
+    computed in the precision and memory format it was trained in (fp32 logits)."""
     from data.transforms import normalizer, val_transforms
     from data.verify import decode
     from models import model_from_checkpoint
     from utils.checkpoint import load_model_checkpoint
     from utils.config import checkpoint_recipe
+    from utils.precision import autocast, autocast_dtype
+    from utils.torch_utils import memory_format
 
-    ckpt = load_model_checkpoint(weights)
+    ckpt, cpu = load_model_checkpoint(weights), torch.device("cpu")
     cfg = checkpoint_recipe(ckpt["recipe"], weights)
-    model = model_from_checkpoint(ckpt, cfg, weights)
-    transform, normalize = val_transforms(cfg.data), normalizer(cfg.data, torch.device("cpu"))
-    with torch.no_grad():
-        return model(normalize(torch.stack([transform(decode(f)) for f in files])))
+    model = model_from_checkpoint(ckpt, cfg, weights).to(memory_format=memory_format(cfg.train.channels_last))
+    transform, normalize = val_transforms(cfg.data), normalizer(cfg.data, cpu)
+    with torch.no_grad(), autocast(cpu, autocast_dtype(cfg.train.precision, cpu)):
+        return model(normalize(torch.stack([transform(decode(f)) for f in files]))).float()

@@ -53,6 +53,8 @@ TECHNIQUES = {"accumulate": ["train.accumulate=2"],
 WIDE = ["model.width=32", "model.depth=3"]
 DDP_OPTIONS = {"defaults": [], "bf16": ["ddp.comm_hook=bf16"], "wide_defaults": WIDE,
                "wide_buckets": [*WIDE, "ddp.bucket_cap_mb=0.05", "ddp.gradient_as_bucket_view=true"]}
+# The loops below step with no autocast (dtype None) on contiguous tensors, as the recipe must then say
+FP32 = ["train.precision=fp32", "train.channels_last=false"]
 
 
 def images(n, seed):
@@ -63,7 +65,7 @@ def images(n, seed):
 
 def run_case(n_train, n_val, batch, overrides, epochs, device):
     init_seeds(RANK)
-    cfg = load_recipe("cls.yaml", [f"train.epochs={epochs}", "model.width=4", "model.depth=2", *overrides])
+    cfg = load_recipe("cls.yaml", [*FP32, f"train.epochs={epochs}", "model.width=4", "model.depth=2", *overrides])
     train_set, val_set = images(n_train, 0), images(n_val, 1)
     train_loader = build_dataloader(train_set, batch, True, 0, 0, device)
     val_loader = build_dataloader(val_set, batch, False, 0, 0, device)
@@ -108,7 +110,7 @@ def run_technique(overrides, device=torch.device("cpu"), epochs=2):
     """Train a BatchNorm-free convnet (its result cannot depend on the split of the batch) with overrides; return
     the flat weights and the number of gradient all-reduces (DDP comm hook calls) and optimizer steps."""
     init_seeds(0)
-    cfg = load_recipe("cls.yaml", [f"train.epochs={epochs}", "model.width=4", "model.depth=2", "model.norm=none",
+    cfg = load_recipe("cls.yaml", [*FP32, f"train.epochs={epochs}", "model.width=4", "model.depth=2", "model.norm=none",
                                    "train.batch_size=8", "data.scale=[0.5,1.0]", *overrides])
     train_set = images(20, 2)
     if cfg.data.cache == "ram":
@@ -140,9 +142,9 @@ def run_ddp_options(overrides, device=torch.device("cpu"), batch=8):
     overrides; per rank, of the second step: the weights before and after, the gradient it stepped with, the rank's
     own (local) gradient, and its number of all-reduces (buckets; counted where there is no comm hook)."""
     init_seeds(0)
-    cfg = load_recipe("cls.yaml", ["model.width=4", "model.depth=2", "model.norm=none", f"train.batch_size={batch}",
-                                   "optim.momentum=0", "optim.weight_decay=0", "sched.name=constant",
-                                   "sched.warmup_epochs=0", *overrides])
+    cfg = load_recipe("cls.yaml", [*FP32, "model.width=4", "model.depth=2", "model.norm=none",
+                                   f"train.batch_size={batch}", "optim.momentum=0", "optim.weight_decay=0",
+                                   "sched.name=constant", "sched.warmup_epochs=0", *overrides])
     x, y = (t[RANK::WORLD_SIZE] for t in images(batch, 3).tensors)
     x = normalizer(cfg.data, device)(x)
     model = build_model(cfg.model, 3)

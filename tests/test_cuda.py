@@ -17,6 +17,7 @@ from data.batches import batch_to, device_batches
 from data.sources import build_datasets
 from data.jpeg_cache import jpeg_datasets
 from data.transforms import CropSpec, crop_batch, crop_spec, val_transforms
+from models import settle
 from test_cache import SIZES, data_cfg, ramp_folder
 from test_crops import IMAGES, MORE, per_image
 from utils.checkpoint import load_checkpoint
@@ -33,7 +34,7 @@ DIGITS = ["--recipe", "cls.yaml", "device=0", "train.epochs=2"]  # the default r
 
 
 def digits_state(precision):
-    cfg = load_recipe("cls.yaml", [f"train.precision={precision}", "device=0"])
+    cfg = settle(load_recipe("cls.yaml", [f"train.precision={precision}", "device=0"]))
     dtype = autocast_dtype(cfg.train.precision, GPU)
     return cfg, dtype, train.build_state(cfg, 10, GPU, dtype, steps=10)
 

@@ -23,7 +23,6 @@ from conftest import (check_metrics_json, fails, forward_logits, launch_n_invari
 from data.layouts import csv_dataset
 from data.mix import batch_mixer
 from data.multilabel import positive_weights
-from data.transforms import normalizer, val_transforms
 from data.verify import decode
 from models import model_from_checkpoint
 from utils.checkpoint import load_checkpoint
@@ -443,7 +442,7 @@ def test_val_py_reproduces_training_at_train_threshold_and_counts_each_image_onc
     for key in ("val/map", "val/f1", "val/precision", "val/recall", "val/exact_match"):  # at train.threshold=0.5
         assert f"{default[key]:.6g}" == rows[-1][key], key
     details = {"weights": str(weights), "epoch": 2, "step": 0, "data": str(data), "processes": 1, "batch_size": 12,
-               "precision": "fp32", "tta": False}
+               "precision": ckpt["recipe"]["train"]["precision"], "tta": False}  # auto's, as training validated
     check_metrics_json(tmp_path / "a", log.text, {**details, "thresholds": "train.threshold=0.5 for every class"})
     assert "multi-label: F1, precision, recall and exact match at thresholds train.threshold=0.5 for every class" in \
         log.text
@@ -503,11 +502,8 @@ def test_predict_lists_every_label_from_its_threshold_and_export_outputs_probabi
     with open(tmp_path / "exp" / "predictions.csv") as f:
         table = list(csv.DictReader(f))
     assert list(table[0]) == ["file", "labels", "probs", "drawn"] and len(table) == 9
-    transform, normalize = val_transforms(cfg.data), normalizer(cfg.data, torch.device("cpu"))
     for row, saved in zip(rows, table):
-        image = transform(decode(row["file"]))[None]
-        with torch.no_grad():
-            probs = model(normalize(image)).sigmoid()[0].tolist()
+        probs = forward_logits(weights, [row["file"]]).sigmoid()[0].tolist()  # in the run's precision and layout
         expected = sorted((c for c in range(3) if probs[c] >= ckpt["thresholds"][c]), key=lambda c: -probs[c])
         assert [t["class"] for t in row["labels"]] == [CLASSES[c] for c in expected]
         assert saved["labels"] == "|".join(CLASSES[c] for c in expected)

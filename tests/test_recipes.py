@@ -18,8 +18,8 @@ import utils.general
 import val
 from cifar_standin import write_cifar_standin
 from conftest import make_image_folder
-from models import check_model_name
-from models.pretrained import cache_path, follow_weights, torchvision_weights, weights_kind
+from models import check_model_name, settle
+from models.pretrained import cache_path, torchvision_weights, weights_kind
 from utils.config import RECIPES_DIR, load_recipe
 
 # Per recipe: the stand-in's images per class (train, val) and the overrides that keep it small. The batch makes
@@ -31,7 +31,10 @@ STAND_INS = {
     "cifar100-resnet18.yaml": ((1, 1), ["train.batch_size=50", "data.img_size=16"]),
     "folder.yaml": ((6, 2), ["train.batch_size=12", "data.img_size=32"]),
     "multilabel-photos.yaml": ((6, 2), ["train.batch_size=12", "data.img_size=32"]),
-    "imagenet-resnet50.yaml": ((1, 0), ["train.batch_size=500", "data.img_size=16", "data.val_img_size=16"]),
+    # fp32: on a CPU with AVX512-BF16 (torch 2.14.1), bf16's weight gradient of layer4's strided 3x3 convolution on
+    # the 1x1 maps of 16 px images is non-finite at this batch (docs/techniques.md, bf16)
+    "imagenet-resnet50.yaml": ((1, 0), ["train.batch_size=500", "data.img_size=16", "data.val_img_size=16",
+                                        "train.precision=fp32"]),
     "imagenet-vit_b_16.yaml": ((1, 0), ["train.batch_size=500", "data.img_size=16", "train.precision=fp32"]),
 }
 
@@ -104,8 +107,8 @@ def test_recipe_trains_two_steps_and_validates_on_a_stand_in(name, tmp_path, mon
     with open(run / "results.csv") as f:
         rows = list(csv.DictReader(f))
     checkpoint = torch.load(run / "weights" / "last.pt", weights_only=True)
-    # as run: overrides too, and what the recipe leaves to its pretrained weights
-    assert checkpoint["recipe"] == OmegaConf.to_container(follow_weights(load_recipe(name, overrides)))
+    # as run: overrides too, and what the recipe leaves to its pretrained weights and the hardware
+    assert checkpoint["recipe"] == OmegaConf.to_container(settle(load_recipe(name, overrides)))
     assert len(rows) == 1 and checkpoint["epoch"] == 1
     unmoved = [k for k, weight in initial.items() if torch.equal(weight, checkpoint["model"][k])]
     assert len(initial) > 10 and not unmoved, f"the two steps left {unmoved} as initialised"

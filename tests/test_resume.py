@@ -21,6 +21,13 @@ from utils.checkpoint import load_checkpoint
 RECIPE = ["--recipe", "cls.yaml", "train.epochs=3", "train.batch_size=8", "model.width=4", "model.dropout=0.2",
           "data.scale=[0.5,1.0]", "train.save_every_steps=2", "train.log_every_steps=1", "train.ema_decay=0.9",
           "train.ema_steps=2", "data.workers=1"]
+# The kills and resumes again in bf16 (autocast; oneDNN emulates it where the CPU lacks bf16 instructions)
+PRECISIONS = ("fp32", "bf16")
+
+
+def recipe(precision="fp32"):
+    """RECIPE's arguments in precision."""
+    return [*RECIPE, f"train.precision={precision}"]
 TIME_COLUMNS = {"time/epoch", "time/img_s"}
 
 
@@ -39,12 +46,15 @@ def launch(nproc, *args, max_restarts=0, timeout=600):
 
 @pytest.fixture(scope="module")
 def reference(data, tmp_path_factory):
-    """Uninterrupted runs of RECIPE at one and two processes: {nproc: run directory}."""
+    """Uninterrupted runs of RECIPE at one and two processes, in each precision: {(nproc, precision): run
+    directory}."""
     project, runs = tmp_path_factory.mktemp("reference"), {}
     for nproc in (1, 2):
-        result = launch(nproc, "train.py", *RECIPE, f"data.name={data}", f"project={project}", f"name=n{nproc}")
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs[nproc] = project / f"n{nproc}"
+        for precision in PRECISIONS:
+            result = launch(nproc, "train.py", *recipe(precision), f"data.name={data}", f"project={project}",
+                            f"name=n{nproc}-{precision}")
+            assert result.returncode == 0, result.stderr[-3000:]
+            runs[nproc, precision] = project / f"n{nproc}-{precision}"
     return runs
 
 
@@ -80,11 +90,13 @@ def position(run_dir):
 
 
 @pytest.mark.slow
-def test_one_process_stopped_and_killed_at_any_moment_resumes_to_bit_identical_weights(data, reference, tmp_path):
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_one_process_stopped_and_killed_at_any_moment_resumes_to_bit_identical_weights(data, reference, tmp_path,
+                                                                                      precision):
     run_dir = tmp_path / "exp"
     # 1. Ctrl-C (SIGINT to the process group, DataLoader worker included) during step 1: stops after step 2.
-    result = launch(1, "tests/faults.py", "signal-at-step:1:SIGINT", "train.py", *RECIPE, f"data.name={data}",
-                    f"project={tmp_path}")
+    result = launch(1, "tests/faults.py", "signal-at-step:1:SIGINT", "train.py", *recipe(precision),
+                    f"data.name={data}", f"project={tmp_path}")
     assert "1 worker(s)" in result.stdout
     assert result.returncode == 130 and "Traceback" not in result.stderr
     assert f"Resume with:\n  python train.py --resume {run_dir}" in result.stdout
@@ -101,7 +113,7 @@ def test_one_process_stopped_and_killed_at_any_moment_resumes_to_bit_identical_w
     result = launch(1, "train.py", "--resume", f"project={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming at epoch 2, step 0" in result.stdout
-    assert_same_run(run_dir, reference[1])
+    assert_same_run(run_dir, reference[1, precision])
     assert [p.name for p in tmp_path.iterdir()] == ["exp"]  # resumed in place
     # 5. A finished run extended by one epoch.
     result = launch(1, "train.py", "--resume", run_dir, "train.epochs=4")
@@ -112,12 +124,14 @@ def test_one_process_stopped_and_killed_at_any_moment_resumes_to_bit_identical_w
 
 
 @pytest.mark.slow
-def test_two_processes_preempted_killed_and_out_of_disk_resume_to_bit_identical_weights(data, reference, tmp_path):
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_two_processes_preempted_killed_and_out_of_disk_resume_to_bit_identical_weights(data, reference, tmp_path,
+                                                                                         precision):
     run_dir = tmp_path / "exp"
     # 1. Rank 0 sends SIGTERM to the process group (torchrun and both ranks, as a scheduler's preemption does)
     #    during step 1 of epoch 1; the ranks agree to stop after step 2, rank 0 saves, every process exits.
-    result = launch(2, "tests/faults.py", "signal-at-step:1:SIGTERM", "train.py", *RECIPE, f"data.name={data}",
-                    f"project={tmp_path}")
+    result = launch(2, "tests/faults.py", "signal-at-step:1:SIGTERM", "train.py", *recipe(precision),
+                    f"data.name={data}", f"project={tmp_path}")
     assert result.returncode != 0 and position(run_dir) == (0, 2)
     assert result.stdout.count("Stopped at epoch 1, step 2/3") == 1
     assert f"Resume with:\n  torchrun --nproc_per_node=2 train.py --resume {run_dir}" in result.stdout
@@ -136,19 +150,19 @@ def test_two_processes_preempted_killed_and_out_of_disk_resume_to_bit_identical_
     # 4. Resumed from the middle of epoch 2 to the end.
     result = launch(2, "train.py", "--resume", run_dir)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert_same_run(run_dir, reference[2])
+    assert_same_run(run_dir, reference[2, precision])
 
 
 @pytest.mark.slow
 def test_torchrun_restarts_a_killed_worker_and_continues_the_same_run(data, reference, tmp_path):
     # Rank 1's votes: epoch 1 has 5 (steps 1 and 2, the settle before the mid-epoch save, after the loop, after
     # validation); its 8th is at step 2 of epoch 2, just after that epoch's mid-epoch save at step 1.
-    result = launch(2, "tests/faults.py", "kill-rank-at-step:8:1", "train.py", *RECIPE, f"data.name={data}",
+    result = launch(2, "tests/faults.py", "kill-rank-at-step:8:1", "train.py", *recipe(), f"data.name={data}",
                     f"project={tmp_path}", max_restarts=1)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "torchrun restart 1: continuing" in result.stdout and "resuming at epoch 2, step 1" in result.stdout
     assert [p.name for p in tmp_path.iterdir()] == ["exp"]
-    assert_same_run(tmp_path / "exp", reference[2])
+    assert_same_run(tmp_path / "exp", reference[2, "fp32"])
 
 
 def root_cause(stderr):
@@ -162,7 +176,7 @@ def test_a_rank_frozen_mid_training_is_named_in_seconds_and_the_run_resumes_exac
                                                                                      frozen):
     # A rank SIGSTOPs itself at its 4th vote (epoch 1's end). Without the watchdog, the other waits in gloo for 600 s
     # and is torchrun's root cause; the launch's timeout is far shorter.
-    result = launch(2, "tests/faults.py", f"stop-rank-at-step:4:{frozen}", "train.py", *RECIPE, f"data.name={data}",
+    result = launch(2, "tests/faults.py", f"stop-rank-at-step:4:{frozen}", "train.py", *recipe(), f"data.name={data}",
                     f"project={tmp_path}", "train.hang_seconds=5", timeout=180)
     line = (f"train.py: error: rank {frozen} on {socket.gethostname()}: gave no sign of life for 5 s (stopped, frozen, "
             f"or its machine is gone), last seen ")  # where: published every 0.5 s, these steps are quicker
@@ -177,14 +191,14 @@ def test_a_rank_frozen_mid_training_is_named_in_seconds_and_the_run_resumes_exac
         return
     result = launch(2, "train.py", "--resume", tmp_path / "exp")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert_same_run(tmp_path / "exp", reference[2])
+    assert_same_run(tmp_path / "exp", reference[2, "fp32"])
 
 
 @pytest.mark.slow
 def test_a_rank_whose_main_thread_hangs_is_named_and_ends_itself(data, tmp_path):
     # Rank 1's main thread sleeps at its 2nd vote (epoch 1, step 2) while its watch thread lives: rank 0 finds it
     # standing still behind it, and rank 1 ends on being named, as torchrun's root cause.
-    result = launch(2, "tests/faults.py", "hang-rank-at-step:2:1", "train.py", *RECIPE, f"data.name={data}",
+    result = launch(2, "tests/faults.py", "hang-rank-at-step:2:1", "train.py", *recipe(), f"data.name={data}",
                     f"project={tmp_path}", "train.hang_seconds=5", "train.save_every_steps=0", timeout=180)
     line = (f"train.py: error: rank 1 on {socket.gethostname()}: made no progress for 5 s while the other ranks waited "
             f"for it, stuck at epoch 1, step 2/3 (in the step); the job ends here")
@@ -202,19 +216,19 @@ def test_ranks_frozen_at_random_moments_under_torchrun_restarts_end_bit_identica
     rng = random.Random(seed)
     steps, ranks = zip(*[(rng.randint(2, 6), rng.randint(0, 1)) for _ in range(3)])
     fault = f"stop-rank-at-step:{'/'.join(map(str, steps))}:{'/'.join(map(str, ranks))}"
-    result = launch(2, "tests/faults.py", fault, "train.py", *RECIPE, f"data.name={data}", f"project={tmp_path}",
+    result = launch(2, "tests/faults.py", fault, "train.py", *recipe(), f"data.name={data}", f"project={tmp_path}",
                     "train.hang_seconds=5", max_restarts=3, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr.count("gave no sign of life for 5 s") == 3, (fault, result.stderr[-3000:])
     assert "torchrun restart 3: continuing" in result.stdout, result.stdout[-3000:]
     assert [p.name for p in tmp_path.iterdir()] == ["exp"]
-    assert_same_run(tmp_path / "exp", reference[2])
+    assert_same_run(tmp_path / "exp", reference[2, "fp32"])
 
 
 @pytest.mark.slow
 def test_non_finite_loss_on_one_rank_stops_every_rank_and_keeps_the_last_good_checkpoint(data, tmp_path):
     # Rank 1 takes 2 steps per epoch: its 5th loss is in epoch 3, step 1.
-    result = launch(2, "tests/faults.py", "nan-loss-at-step:5:1", "train.py", *RECIPE, f"data.name={data}",
+    result = launch(2, "tests/faults.py", "nan-loss-at-step:5:1", "train.py", *recipe(), f"data.name={data}",
                     f"project={tmp_path}")
     assert result.returncode != 0
     message = "train.py: error: the training loss is not finite (nan or inf) at epoch 3, step 1/3"
@@ -235,7 +249,7 @@ def test_group_norm_gives_the_same_step_at_1_two_nodes_and_3_processes(tmp_path)
     # processes the other ranks have run out. Its gradient must still be the mean over that step's samples.
     data = make_image_folder(tmp_path / "d13", {"train": {"a": 7, "b": 6}, "val": {"a": 1, "b": 1}})
     recipe = ["train.py", "--recipe", "cls.yaml", f"data.name={data}", "train.epochs=1", "train.batch_size=6",
-              "model.width=4", "model.norm=group", "data.scale=[0.5,1.0]"]
+              "model.width=4", "model.norm=group", "data.scale=[0.5,1.0]", "train.precision=fp32"]
     assert run_python(*recipe, f"project={tmp_path}", "name=n1").returncode == 0
     port = free_port()
     nodes = [subprocess.Popen(  # two torchrun "nodes" of one process each, joined by c10d rendezvous

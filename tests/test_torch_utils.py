@@ -11,6 +11,7 @@ import torch
 import utils.torch_utils as tu
 from conftest import ROOT
 from utils import distributed, general, precision, seeds
+from utils.config import load_recipe
 from utils.general import UsageError, increment_path
 
 
@@ -189,20 +190,47 @@ def test_autocast_dtype_per_precision_and_device():
     assert precision.autocast_dtype("fp16", cuda) is torch.float16
 
 
-def test_auto_precision_is_bf16_only_where_the_hardware_computes_in_it(tmp_path, monkeypatch):
+def test_auto_precision_is_bf16_only_where_the_hardware_computes_in_it(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    (tmp_path / "amx").write_text("flags\t\t: fpu sse avx512f amx_bf16 amx_tile\n")
-    (tmp_path / "avx512").write_text("flags\t\t: fpu sse avx512f avx512bw\n")
-    assert precision.native_precision(cpu, tmp_path / "amx") == "bf16"
-    assert precision.native_precision(cpu, tmp_path / "avx512") == "fp32"
-    assert precision.native_precision(cpu, tmp_path / "missing") == "fp32"
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    for amx, avx512_bf16, expected in ((True, False, "bf16"), (False, True, "bf16"), (False, False, "fp32")):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+        assert precision.native_precision(cpu) == expected
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    for isa, expected in (("AVX2", "fp32"), ("avx512_core", "fp32"), ("AVX512_CORE_BF16", "bf16"),
+                          ("AVX512_CORE_AMX", "bf16"), ("DEFAULT", "bf16")):  # oneDNN held below bf16, or not
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+        assert precision.native_precision(cpu) == expected, isa
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")  # a torch without the check: no bf16 assumed
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    assert precision.native_precision(cpu) == "fp32"
+    for supported, expected in ((True, "bf16"), (False, "fp16")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: supported)
+        assert precision.native_precision(cuda) == expected
     monkeypatch.setattr(precision, "native_precision", lambda device: "bf16" if device.type == "cpu" else "fp16")
     assert precision.autocast_dtype("auto", cpu) is torch.bfloat16
     assert precision.autocast_dtype("auto", cuda) is torch.float16
-    for supported, expected in ((True, "bf16"), (False, "fp16")):
-        monkeypatch.undo()
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: supported)
-        assert precision.native_precision(cuda) == expected
+
+
+def test_auto_settles_into_the_recipe_what_every_process_runs_and_the_model_gains_from(monkeypatch, log):
+    from models import settle
+    monkeypatch.setattr(precision, "native_precision", lambda device: "bf16")
+    cfg = settle(load_recipe("cls.yaml"))
+    assert (cfg.train.precision, cfg.train.channels_last) == ("bf16", True)
+    assert ("train: auto: precision bf16 (the fastest this cpu trains in), channels_last true (a convolutional model)"
+            in log.text)
+    vit = settle(load_recipe("cls.yaml", ["model.name=vit_b_16", "data.img_size=32"]))
+    assert vit.train.channels_last is False  # one convolution, the patch embedding
+    asked = load_recipe("cls.yaml", ["train.precision=fp32", "train.channels_last=false"])
+    assert settle(asked) == asked  # what the recipe says is kept
+    # Processes whose devices differ (a job over machines with and without bf16 instructions) all train in fp32
+    monkeypatch.setattr(precision, "gather_object", lambda native: ["bf16", "fp32"])
+    log.clear()
+    assert settle(load_recipe("cls.yaml")).train.precision == "fp32"
+    assert "precision fp32 (the processes' devices differ: bf16, fp32)" in log.text
+    with pytest.raises(ValueError, match="train.channels_last='auto' is not settled"):
+        tu.memory_format("auto")
 
 
 def test_grad_scaler_scales_the_loss_for_fp16_only():

@@ -1,6 +1,8 @@
 """train.py end to end: real runs on digits and tiny folders, their outputs, and failures before any work."""
 
 import re
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,30 +12,36 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
+import export
 import train
+import val
 from conftest import ROOT, console_lines, fails, make_image_folder, read_results, run_python, run_torchrun
 from data.datasets import build_dataloader
 from data.sources import build_datasets, dataset_root
 from data.transforms import normalizer, val_transforms
-from models import build_model, check_batch_for_batchnorm
+from data.verify import decode
+from models import build_model, check_batch_for_batchnorm, settle
 from utils.checkpoint import load_checkpoint
-from utils.config import CHANGES_RESULTS_WHEN, ModelConfig, Recipe, flat_keys, load_recipe
+from utils.config import CHANGES_RESULTS_WHEN, ModelConfig, Recipe, checkpoint_recipe, flat_keys, load_recipe
 from utils.loggers import COLUMNS, TENSORBOARD_TAGS, RunLogger
 from utils.general import SharedError
 from utils.metrics import evaluate
+from utils.precision import autocast_dtype, native_precision
 from utils.torch_utils import batchnorm_layers, one_image_batchnorm
 
 
 def evaluate_checkpoint(path):
-    """Single-process top-1 of a checkpoint on the validation set named by its own recipe."""
+    """Single-process top-1 of a checkpoint on the validation set named by its own recipe, in the precision it was
+    trained in."""
     ckpt = load_checkpoint(path)
     cfg = OmegaConf.merge(OmegaConf.structured(Recipe), ckpt["recipe"])
     model = build_model(cfg.model, len(ckpt["classes"]))
     model.load_state_dict(ckpt["model"])
     _, val_set = build_datasets(dataset_root(cfg.data.name), None, val_transforms(cfg.data))
     loader = build_dataloader(val_set, 64, False, 0, 0, torch.device("cpu"))
-    return evaluate(model, loader, normalizer(cfg.data, torch.device("cpu")), len(ckpt["classes"]),
-                    torch.device("cpu"))
+    cpu = torch.device("cpu")
+    return evaluate(model, loader, normalizer(cfg.data, cpu), len(ckpt["classes"]), cpu,
+                    autocast_dtype(cfg.train.precision, cpu))
 
 
 def two_tone_folder(root, train, val, size=8):
@@ -75,10 +83,16 @@ def test_only_rank_0_writes_one_run_dir(digits_run):
 
 
 @pytest.mark.slow
-def test_run_saves_resolved_recipe(digits_run):
-    project, _ = digits_run
+def test_run_saves_resolved_recipe_with_auto_settled_for_this_cpu(digits_run):
+    project, result = digits_run
     saved = load_recipe(str(project / "exp" / "recipe.yaml"))
-    assert saved == load_recipe("cls.yaml", [f"project={project}"])
+    assert saved == settle(load_recipe("cls.yaml", [f"project={project}"]))
+    precision = native_precision(torch.device("cpu"))
+    assert saved.train.precision == precision and saved.train.channels_last is True  # the convnet
+    assert (f"train: auto: precision {precision} (the fastest this cpu trains in), channels_last true (a "
+            f"convolutional model)") in result.stdout
+    assert f"in {'bfloat16' if precision == 'bf16' else 'float32'}, channels_last; batch 48" in result.stdout
+    assert load_checkpoint(project / "exp" / "weights" / "last.pt")["recipe"] == OmegaConf.to_container(saved)
 
 
 @pytest.mark.slow
@@ -326,12 +340,20 @@ def test_a_global_batch_larger_than_the_training_images_is_said(image_folder, tm
 
 
 @pytest.mark.slow
-def test_single_process_with_channels_last_reaches_the_same_accuracy(tmp_path, monkeypatch, digits_run, log):
-    # The README recipe at one process, in channels_last: the same >= 99% as two processes.
+@pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
+def test_one_process_in_the_precision_and_layout_auto_did_not_pick_reaches_the_same_accuracy(tmp_path, monkeypatch,
+                                                                                               digits_run, log):
+    # The README recipe at one process, in the other precision (bf16 <-> fp32) and contiguous: the same >= 99% as
+    # two processes in auto's, and val.py's figure is the one training recorded, in the run's precision.
     models = []
     monkeypatch.setattr(train, "check_input_size", lambda model, *args, **kw: models.append(model))
-    best = train.main(["--recipe", "cls.yaml", f"project={tmp_path}", "train.channels_last=true"])
-    assert models[0].features[0][0].weight.is_contiguous(memory_format=torch.channels_last)
+    other = {"bf16": "fp32", "fp32": "bf16"}[load_recipe(str(digits_run[0] / "exp" / "recipe.yaml")).train.precision]
+    best = train.main(["--recipe", "cls.yaml", f"project={tmp_path}", f"train.precision={other}",
+                       "train.channels_last=false"])
+    assert models[0].features[0][0].weight.is_contiguous() and "train: auto:" not in log.text
+    assert f"in {'bfloat16' if other == 'bf16' else 'float32'}; batch 48" in log.text
+    assert val.main(["--weights", str(tmp_path / "exp" / "weights" / "best.pt"), "--project", str(tmp_path / "val")]
+                    )["val/top1"] == best
     _, rows = read_results(tmp_path / "exp")
     _, two_processes = read_results(digits_run[0] / "exp")
     assert best >= 0.99 and max(float(r["val/top1"]) for r in rows) == pytest.approx(best, abs=1e-6)  # csv: 6 digits
@@ -340,6 +362,20 @@ def test_single_process_with_channels_last_reaches_the_same_accuracy(tmp_path, m
     assert "0 worker(s) each (auto: data.cache=ram, every core computes)" in log.text
     saved = load_checkpoint(tmp_path / "exp" / "weights" / "last.pt")
     assert list(saved["model"]) == list(load_checkpoint(digits_run[0] / "exp" / "weights" / "last.pt")["model"])
+    # One of the two runs trained in bf16: exported, its model computes in fp32, and says so; val.py in fp32 gives the
+    # exported model's top-1, a val image or none from bf16's.
+    bf16_run = tmp_path / "exp" if other == "bf16" else digits_run[0] / "exp"
+    exported = shutil.copy(bf16_run / "weights" / "best.pt", tmp_path / "bf16.pt")
+    export.main(["--weights", str(exported), "--format", "torchscript"])
+    assert "the model trained and was validated in bf16; exported models compute in fp32" in log.text
+    files = [path for path, _ in build_datasets(dataset_root("digits"), None, None)[1].samples]
+    data = checkpoint_recipe(load_checkpoint(exported)["recipe"], exported).data
+    images = normalizer(data, torch.device("cpu"))(torch.stack([val_transforms(data)(decode(f)) for f in files]))
+    scripted = torch.jit.load(str(tmp_path / "bf16.torchscript"))(images)
+    labels = torch.tensor([int(Path(f).parent.name) for f in files])
+    fp32 = val.main(["--weights", str(exported), "--precision", "fp32", "--project", str(tmp_path / "val")])
+    assert (scripted.argmax(1) == labels).sum().item() == round(fp32["val/top1"] * 360)
+    assert abs(fp32["val/top1"] - load_checkpoint(exported)["best_score"]) <= 1 / 360 + 1e-9
 
 
 @pytest.mark.slow
@@ -352,7 +388,8 @@ def test_compile_trains_through_inductor_as_the_eager_model_does(tmp_path, monke
     runs = {}
     for compile in ("false", "true"):
         train.main(["--recipe", "cls.yaml", f"data.name={root}", "train.epochs=1", "train.batch_size=8",
-                    "model.width=4", "model.depth=1", f"train.compile={compile}", f"project={tmp_path / compile}"])
+                    "model.width=4", "model.depth=1", f"train.compile={compile}", f"project={tmp_path / compile}",
+                    "train.precision=fp32"])  # the tolerance below is fp32's rounding
         runs[compile] = (load_checkpoint(tmp_path / compile / "exp" / "weights" / "last.pt")["model"],
                          read_results(tmp_path / compile / "exp")[1][0])
     (eager, eager_row), (compiled, compiled_row) = runs["false"], runs["true"]

@@ -18,6 +18,7 @@ import predict
 import train
 import val
 from conftest import make_image_folder, read_results
+from utils.checkpoint import load_checkpoint
 from utils.general import DATASETS_DIR
 from utils.metrics import evaluate
 from utils.plots import annotated_image, label_font
@@ -91,7 +92,7 @@ def test_val_tta_reproduces_what_train_tta_logged_and_warns_that_digits_flip(tta
     metrics = val.main(["--weights", str(weights), "--tta", "--project", str(tmp_path)])
     assert f"{metrics['val/top1']:.6g}" == row["val/top1"] and f"{metrics['val/loss']:.6g}" == row["val/loss"]
     assert (row["val/ema_top1"], row["val/ema_loss"]) == (row["val/top1"], row["val/loss"])  # the EMA with TTA too
-    assert "fp32; TTA: image + horizontal flip" in log.text
+    assert f"{load_checkpoint(weights)['recipe']['train']['precision']}; TTA: image + horizontal flip" in log.text
     assert log.text.count("trained without flips (data.hflip=0): where a flip changes the class") == 1
     assert json.loads((tmp_path / "exp" / "metrics.json").read_text())["run"]["tta"] is True
     plain = val.main(["--weights", str(weights), "--project", str(tmp_path)])

@@ -103,7 +103,7 @@ def test_a_sweep_is_one_mlflow_parent_run_with_a_child_run_per_trial(sweep):
         assert child.data.tags["trial_state"] == trial.state.name == "COMPLETE"
         assert child.info.status == "FINISHED"
         assert {k: child.data.params[k] for k in trial.params} == {k: str(v) for k, v in trial.params.items()}
-        assert child.data.metrics["val/top1"] == pytest.approx(trial.value, rel=1e-6)
+        assert child.data.metrics["val/top1"] == pytest.approx(trial.value, abs=5e-7)  # results.csv's 6 digits
     scores = {m.step: m.value for m in client.get_metric_history(parent.info.run_id, "value")}
     assert scores == pytest.approx({t.number: t.value for t in study.trials})  # each trial's score, by its number
     parent = client.get_run(parent.info.run_id)

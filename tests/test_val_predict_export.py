@@ -50,7 +50,8 @@ def test_val_reproduces_the_top1_training_recorded_and_saves_its_tables(best, tm
     ckpt = load_model_checkpoint(weights)
     summary = check_metrics_json(tmp_path / "exp", out, {
         "weights": str(weights), "epoch": ckpt["epoch"], "step": 0, "data": str(VAL_DIR), "processes": 1,
-        "batch_size": load_checkpoint(weights)["recipe"]["train"]["batch_size"], "precision": "fp32", "tta": False})
+        "batch_size": ckpt["recipe"]["train"]["batch_size"], "precision": ckpt["recipe"]["train"]["precision"],
+        "tta": False})
     assert summary["images"] == 360 and summary["top1"] == metrics["val/top1"]
     with open(tmp_path / "exp" / "probabilities.csv", newline="") as f:  # each image's softmax, in the folder's order
         header, *table = list(csv.reader(f))

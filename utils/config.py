@@ -7,6 +7,7 @@ import math
 import re
 import textwrap
 from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Union
 from pathlib import Path
 
 import yaml
@@ -79,10 +80,10 @@ class TrainConfig:
     epochs: int = 10  # passes over the training set
     batch_size: int = 64  # global batch over all processes; each process takes batch_size / WORLD_SIZE
     accumulate: int = 1  # split each process's batch into this many micro-batches, one optimizer step and all-reduce
-    channels_last: bool = False  # NHWC memory format for the model and training batches (faster convs on GPUs, CPUs)
+    channels_last: Union[bool, str] = "auto"  # NHWC memory format for the model and batches: true, false, auto (true for convolutional models, measured faster)
     compile: bool = False  # torch.compile the training model (pays off on long runs; the first steps compile)
     label_smoothing: float = 0.0  # cross-entropy label smoothing; multi-label: targets 1 - s + s/classes and s/classes, as timm's
-    precision: str = "fp32"  # fp32, bf16 (autocast), fp16 (+ GradScaler; CUDA), auto: bf16 where native, else fp32
+    precision: str = "auto"  # auto: bf16 where every process computes it natively (GPUs, AMX or AVX512-BF16 CPUs), else fp32; fp32; bf16 (autocast); fp16 (+ GradScaler; CUDA)
     deterministic: bool = True  # ask torch for deterministic kernels (reproducible runs; may be slower on GPU)
     save_every_steps: int = 0  # also save weights/last.pt every this many steps within an epoch; 0: at epoch ends only
     ema_decay: float = 0.0  # EMA of the weights, validated beside them: its decay per update (e.g. 0.99998); 0: off
@@ -593,6 +594,7 @@ def check_train_values(cfg, require):
             "0 (off) or a number of seconds >= 2 (each rank shows it lives every 0.5 s)")
     require(cfg.train.log_every_steps >= 0, "train.log_every_steps", ">= 0 (0 logs the loss per epoch only)")
     require(cfg.train.precision in ("fp32", "bf16", "fp16", "auto"), "train.precision", "one of fp32, bf16, fp16, auto")
+    require(cfg.train.channels_last in (True, False, "auto"), "train.channels_last", "true, false or auto")
     require(cfg.train.class_weights in ("", "balanced"), "train.class_weights", "'' (off) or balanced")
     require(cfg.train.best_metric in (("auto", "map") if cfg.data.multilabel else ("auto", "top1", "balanced_top1")),
             "train.best_metric", "auto or map with data.multilabel=true" if cfg.data.multilabel else

@@ -317,6 +317,7 @@ def startup_line(cfg, device, feed, datasets, state, dtype, steps, resumed=False
     return (f"{colorstr('train:')} {WORLD_SIZE} process(es) on {device.type}, {threads} thread(s) and {workers} "
             f"worker(s) each ({why}); {len(train_set)} train / {len(val_set)} val images, {len(train_set.classes)} "
             f"classes; {cfg.model.name} ({params:,} parameters) in {str(dtype or torch.float32).removeprefix('torch.')}"
+            f"{', channels_last' if cfg.train.channels_last else ''}"
             f"{', multi-label' if cfg.data.multilabel else ''}; batch {cfg.train.batch_size} "
             f"({cfg.train.batch_size // WORLD_SIZE} per process), {steps} steps per epoch"
             f"{f'; resuming at epoch {state.epoch + 1}, step {state.step}' if resumed else ''}")

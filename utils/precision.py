@@ -1,8 +1,14 @@
-"""Mixed precision: the autocast dtype a recipe and device allow, and the GradScaler that fp16 alone needs."""
+"""Mixed precision: the autocast dtype a recipe and device allow, the GradScaler that fp16 alone needs, and what
+'auto' precision and memory format settle to on this hardware."""
+
+import os
 
 import torch
+from omegaconf import OmegaConf
 
-from utils.general import LOGGER, UsageError
+from utils.distributed import gather_object
+from utils.general import LOGGER, UsageError, colorstr
+from utils.torch_utils import select_device
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -18,17 +24,43 @@ def autocast_dtype(precision, device, key="train.precision"):
     return dtype
 
 
-def native_precision(device, cpuinfo="/proc/cpuinfo"):
-    """precision=auto: the fastest precision this device trains in at fp32's accuracy. GPUs compute bf16 (else
-    fp16) on tensor cores; a CPU runs bf16 faster than fp32 only with AMX or AVX512-BF16 instructions, without
-    which oneDNN converts to fp32 and back (benchmarks/compute.py measures both)."""
+def native_precision(device):
+    """The fastest precision this device trains in at fp32's accuracy. GPUs compute bf16 (else fp16) on tensor
+    cores; a CPU runs bf16 faster than fp32 only with AMX or AVX512-BF16 instructions that oneDNN may use (not when
+    ONEDNN_MAX_CPU_ISA caps it below them), without which it converts to fp32 and back (benchmarks/compute.py)."""
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    try:
-        flags = set(open(cpuinfo).read().split())
-    except OSError:  # not Linux: no way to ask, so the precision every CPU runs at full speed
+    capped = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "DEFAULT")).upper()
+    if capped != "DEFAULT" and not any(isa in capped for isa in ("BF16", "AMX", "FP16", "AVX10")):
         return "fp32"
-    return "bf16" if flags & {"amx_bf16", "avx512_bf16"} else "fp32"
+    # torch's own checks (private: a build without them counts as a CPU without the instructions)
+    native = (getattr(torch.cpu, check, lambda: False)() for check in ("_is_amx_tile_supported",
+                                                                        "_is_avx512_bf16_supported"))
+    return "bf16" if any(native) else "fp32"
+
+
+def settle_auto(cfg, convolutional):
+    """cfg with train.precision and train.channels_last 'auto' made what this job's hardware runs fastest, before
+    the run saves its recipe (so a resume, val.py and predict.py use what ran). The precision: native_precision when
+    every process's device has the same one, else fp32 (the ranks of a job compute alike). channels_last: for a
+    convolutional model (convolutional(cfg): more than one Conv2d), which benchmarks/compute.py and gpu.py measured
+    as fast or faster in every case; a vision transformer has one convolution and gains nothing."""
+    settled, why = {}, []
+    if cfg.train.precision == "auto":
+        device = select_device(cfg.device)
+        natives = sorted(set(gather_object(native_precision(device))))
+        settled["precision"] = natives[0] if len(natives) == 1 else "fp32"
+        why.append(f"precision {settled['precision']} " + (f"(the fastest this {device.type} trains in)"
+                                                           if len(natives) == 1 else
+                                                           f"(the processes' devices differ: {', '.join(natives)})"))
+    if cfg.train.channels_last == "auto":
+        settled["channels_last"] = convolutional(cfg)
+        why.append(f"channels_last {str(settled['channels_last']).lower()} "
+                   f"({'' if settled['channels_last'] else 'not '}a convolutional model)")
+    if not settled:
+        return cfg
+    LOGGER.info(f"{colorstr('train:')} auto: {', '.join(why)}")
+    return OmegaConf.merge(cfg, {"train": settled})
 
 
 def inference_precision(requested, trained, device):

@@ -56,9 +56,10 @@ def parse_args(argv=None):
 def prepare_run(args, model_check=None, settle=None):
     """(recipe, run directory or None for a new one, (checkpoint path, checkpoint) or None) for this launch: a new
     run, an explicit --resume, or this torchrun job's own run after torchrun restarted the workers. model_check
-    (models.check_model_name) checks model.name with the rest of the recipe; settle (models.pretrained.follow_weights:
-    recipe -> recipe, the same for a settled one) fills in what the recipe leaves to its pretrained weights, before
-    a restarted run's recipe is compared with the one it saved."""
+    (models.check_model_name) checks model.name with the rest of the recipe; settle (recipe -> recipe, the same for a
+    settled one: models.pretrained.follow_weights, then utils.precision.settle_auto) fills in what the recipe leaves
+    to its pretrained weights and to the hardware, before a restarted run's recipe is compared with the one it
+    saved."""
     if args.resume is not None:
         if args.recipe:
             raise SharedError("--resume takes the recipe from the checkpoint: leave out --recipe (key=value "

@@ -217,7 +217,9 @@ def no_sync(model, skip=True):
 
 def memory_format(channels_last):
     """train.channels_last: torch.channels_last (NHWC, what GPU tensor cores and oneDNN convolutions prefer), else
-    the default contiguous (NCHW) format."""
+    the default contiguous (NCHW) format. 'auto' is settled before (utils/precision.settle_auto)."""
+    if channels_last not in (True, False):
+        raise ValueError(f"train.channels_last={channels_last!r} is not settled to true or false")
     return torch.channels_last if channels_last else torch.contiguous_format
 
 
