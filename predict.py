@@ -142,7 +142,7 @@ def predict(args):
                         num_workers=min(args.workers, len(paths) // args.batch_size), collate_fn=collate,
                         pin_memory=device.type == "cuda")
     model = model_from_checkpoint(ckpt, cfg, args.weights)
-    model = model.to(device, memory_format=memory_format(cfg.train.channels_last))  # as val.py: as it trained
+    model = model.to(device, memory_format=memory_format(cfg.train.channels_last is True))  # as val.py: as it trained
     normalize, k = normalizer(cfg.data, device), min(args.topk, len(classes))
     if args.tta and RANK == 0:
         LOGGER.info(f"{colorstr('predict:')} TTA: {TTA_NAME}")

@@ -113,9 +113,10 @@ def validate(args):
         raise UsageError(f"--batch-size {batch_size}: must be >= 1")
     batch_size = max(batch_size // WORLD_SIZE, 1) * WORLD_SIZE  # split evenly between the processes
     loader = build_dataloader(dataset, batch_size, False, cfg.seed, workers, device)
-    # in the layout it trained in: in bf16 another layout's kernels round differently from the run's own validation
+    # in the layout it trained in (in bf16 another layout's kernels round otherwise than the run's validation); a
+    # checkpoint older than train.channels_last trained contiguous ('auto': the key's default, never saved)
     model = model_from_checkpoint(ckpt, cfg, args.weights)
-    model = model.to(device, memory_format=memory_format(cfg.train.channels_last))
+    model = model.to(device, memory_format=memory_format(cfg.train.channels_last is True))
     LOGGER.info(f"{colorstr('val:')} {args.weights} ({position(ckpt)}) on {short_path(dataset.root)}: "
                 f"{len(dataset)} images, {len(classes)} classes; {WORLD_SIZE} process(es) on {device.type}, "
                 f"batch {batch_size}, {precision}{f'; TTA: {TTA_NAME}' if args.tta else ''}")

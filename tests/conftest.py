@@ -273,7 +273,8 @@ def forward_logits(weights, files):
 
     ckpt, cpu = load_model_checkpoint(weights), torch.device("cpu")
     cfg = checkpoint_recipe(ckpt["recipe"], weights)
-    model = model_from_checkpoint(ckpt, cfg, weights).to(memory_format=memory_format(cfg.train.channels_last))
+    model = model_from_checkpoint(ckpt, cfg, weights)
+    model = model.to(memory_format=memory_format(cfg.train.channels_last is True))  # as val.py
     transform, normalize = val_transforms(cfg.data), normalizer(cfg.data, cpu)
     with torch.no_grad(), autocast(cpu, autocast_dtype(cfg.train.precision, cpu)):
         return model(normalize(torch.stack([transform(decode(f)) for f in files]))).float()

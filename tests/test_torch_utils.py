@@ -11,7 +11,7 @@ import torch
 import utils.torch_utils as tu
 from conftest import ROOT
 from utils import distributed, general, precision, seeds
-from utils.config import load_recipe
+from utils.config import RecipeError, load_recipe
 from utils.general import UsageError, increment_path
 
 
@@ -199,14 +199,14 @@ def test_auto_precision_is_bf16_only_where_the_hardware_computes_in_it(monkeypat
         assert precision.native_precision(cpu) == expected
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     for isa, expected in (("AVX2", "fp32"), ("avx512_core", "fp32"), ("AVX512_CORE_BF16", "bf16"),
-                          ("AVX512_CORE_AMX", "bf16"), ("DEFAULT", "bf16")):  # oneDNN held below bf16, or not
+                          ("AVX512_CORE_AMX", "bf16"), ("ALL", "bf16")):  # oneDNN held below bf16, or not
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
         assert precision.native_precision(cpu) == expected, isa
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported")  # a torch without the check: no bf16 assumed
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     assert precision.native_precision(cpu) == "fp32"
-    for supported, expected in ((True, "bf16"), (False, "fp16")):
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: supported)
+    for capability, expected in (((9, 0), "bf16"), ((8, 0), "bf16"), ((7, 0), "fp16")):  # H100, A100, V100
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
         assert precision.native_precision(cuda) == expected
     monkeypatch.setattr(precision, "native_precision", lambda device: "bf16" if device.type == "cpu" else "fp16")
     assert precision.autocast_dtype("auto", cpu) is torch.bfloat16
@@ -231,6 +231,8 @@ def test_auto_settles_into_the_recipe_what_every_process_runs_and_the_model_gain
     assert "precision fp32 (the processes' devices differ: bf16, fp32)" in log.text
     with pytest.raises(ValueError, match="train.channels_last='auto' is not settled"):
         tu.memory_format("auto")
+    with pytest.raises(RecipeError, match="train.channels_last must be true, false or auto"):
+        load_recipe("cls.yaml", ["train.channels_last=1"])
 
 
 def test_grad_scaler_scales_the_loss_for_fp16_only():

@@ -83,7 +83,7 @@ class TrainConfig:
     channels_last: Union[bool, str] = "auto"  # NHWC memory format for the model and batches: true, false, auto (true for convolutional models, measured faster)
     compile: bool = False  # torch.compile the training model (pays off on long runs; the first steps compile)
     label_smoothing: float = 0.0  # cross-entropy label smoothing; multi-label: targets 1 - s + s/classes and s/classes, as timm's
-    precision: str = "auto"  # auto: bf16 where every process computes it natively (GPUs, AMX or AVX512-BF16 CPUs), else fp32; fp32; bf16 (autocast); fp16 (+ GradScaler; CUDA)
+    precision: str = "auto"  # auto: bf16 where every process computes it natively (Ampere+ GPUs, AMX or AVX512-BF16 CPUs), else fp32 (older GPUs: fp16); fp32; bf16 (autocast); fp16 (+ GradScaler; CUDA)
     deterministic: bool = True  # ask torch for deterministic kernels (reproducible runs; may be slower on GPU)
     save_every_steps: int = 0  # also save weights/last.pt every this many steps within an epoch; 0: at epoch ends only
     ema_decay: float = 0.0  # EMA of the weights, validated beside them: its decay per update (e.g. 0.99998); 0: off
@@ -307,7 +307,8 @@ def schema_leaves(cls=Recipe, prefix=""):
 
 SECTIONS = {f.name: type(f.default_factory()) for f in fields(Recipe) if callable(f.default_factory)}
 LIST_LENGTHS = {"data.scale": 2, "data.mean": 3, "data.std": 3}  # the lists check_data_values takes at one length
-TYPE_WORDS = {bool: "true or false", int: "a whole number", float: "a number", str: "text"}
+TYPE_WORDS = {bool: "true or false", int: "a whole number", float: "a number", str: "text",
+              Union[bool, str]: "true, false or auto"}
 
 
 def as_override(value):
@@ -388,7 +389,7 @@ def flag_as_key(words, flags):
             continue
         if not value and i + 1 < len(words) and not words[i + 1].startswith("-") and "=" not in words[i + 1]:
             value, word = words[i + 1], f"{word} {words[i + 1]}"
-        value = value or ("true" if schema_leaves()[key][0] is bool else "VALUE")
+        value = value or ("true" if schema_leaves()[key][0] in (bool, Union[bool, str]) else "VALUE")
         return f"{word}: recipe keys are set as key=value: {key}={value}"
     return None
 

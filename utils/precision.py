@@ -25,13 +25,15 @@ def autocast_dtype(precision, device, key="train.precision"):
 
 
 def native_precision(device):
-    """The fastest precision this device trains in at fp32's accuracy. GPUs compute bf16 (else fp16) on tensor
-    cores; a CPU runs bf16 faster than fp32 only with AMX or AVX512-BF16 instructions that oneDNN may use (not when
-    ONEDNN_MAX_CPU_ISA caps it below them), without which it converts to fp32 and back (benchmarks/compute.py)."""
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    capped = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "DEFAULT")).upper()
-    if capped != "DEFAULT" and not any(isa in capped for isa in ("BF16", "AMX", "FP16", "AVX10")):
+    """The fastest precision this device trains in at fp32's accuracy. GPUs compute bf16 (before Ampere fp16) on
+    tensor cores; a CPU runs bf16 faster than fp32 only with AMX or AVX512-BF16 instructions that oneDNN may use
+    (not when ONEDNN_MAX_CPU_ISA caps it below them), without which it converts to fp32 and back
+    (benchmarks/compute.py)."""
+    if device.type == "cuda":  # tensor cores compute bf16 from Ampere (8.0); older GPUs only emulate it
+        return "bf16" if torch.cuda.get_device_capability(device) >= (8, 0) else "fp16"
+    capped = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", "ALL")).upper()
+    if capped not in ("ALL", "DEFAULT") and not any(isa in capped for isa in ("BF16", "AMX", "FP16", "AVX10",
+                                                                              "VNNI_2")):
         return "fp32"
     # torch's own checks (private: a build without them counts as a CPU without the instructions)
     native = (getattr(torch.cpu, check, lambda: False)() for check in ("_is_amx_tile_supported",
