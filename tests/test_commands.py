@@ -134,7 +134,7 @@ STAND_INS = [("data.name=path/to/shards", "data.name=my_shards"), ("path/to/my_l
              ("--nproc_per_node=8", "--nproc_per_node=2")]
 # Appended, so that they win over the recipe's and the command's own values: a new run trains one short epoch of
 # the tiny data at 32 px (the recipe's model, except ResNet-50: a small convnet, its EMA updated every step; not 16,
-# where a ResNet's layer4 convolves 1x1 maps, whose bf16 weight gradient a CPU's oneDNN gets wrong:
+# where a ResNet's layer4 strides over 1x1 maps, whose bf16 weight gradient a CPU's oneDNN gets wrong:
 # docs/techniques.md); a resumed run adds an epoch.
 NEW_RUN = "data.name=my_data train.epochs=1 train.batch_size=4 data.img_size=32 data.val_img_size=32 data.workers=0"
 SMALLER_MODEL = {"imagenet-resnet50.yaml": "model.name=convnet model.width=4 train.ema_steps=1"}
