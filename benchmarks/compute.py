@@ -185,13 +185,15 @@ def short_run(name, img_size, steps, data):
 
 
 def cpu_flags():
-    """Whether this CPU computes in bf16 natively (AVX512-BF16, AMX), from /proc/cpuinfo where there is one."""
+    """The CPU's AVX-512 and bf16 flags (/proc/cpuinfo, where there is one), and whether train.precision=auto trains
+    in bf16 here (utils.precision.native_precision)."""
+    native = f"native bf16: {'yes' if native_precision(DEVICE) == 'bf16' else 'no'}"
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
-        return "flags unknown"
+        return f"flags unknown; {native}"
     have = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags.split()]
-    return f"{', '.join(have) or 'no AVX512'}; native bf16: {'yes' if len(have) > 1 else 'no'}"
+    return f"{', '.join(have) or 'no AVX512'}; {native}"
 
 
 def spread(values, fmt="{:.2f}"):
