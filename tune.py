@@ -65,6 +65,7 @@ VERDICTS = (TrialState.COMPLETE, TrialState.PRUNED)  # the trials --trials count
 with warnings.catch_warnings():  # experimental in Optuna since 2.8
     warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
     RETRY = RetryHeartbeatStaleTrialCallback(max_retry=3)  # a trial cut off (its worker died, or stopped) runs again
+PARENT_WAIT = 60  # seconds a worker waits for the worker that created the study to create its MLflow run
 PRUNE_FROM = 50  # percent of its schedule a trial runs before the pruner may stop it: at a third, the best trials
 # of benchmarks/sweep.py still trailed the median (their learning rate near its peak)
 
@@ -124,15 +125,15 @@ def main(argv=None):
     try:
         if args.report:
             sweep, settings = Path(args.report), read_settings(Path(args.report))
-            study = open_study(storage_of(sweep, args.storage, settings), args.study or settings["study"],
-                               heartbeat=args.heartbeat)
+            study, _ = open_study(storage_of(sweep, args.storage, settings), args.study or settings["study"],
+                                  heartbeat=args.heartbeat)
         else:
             space = read_space(args.space, args.recipe, args.overrides)
             sweep, settings = claim_sweep(args)
             check_recipe(settings)
-            study = open_study(storage_of(sweep, args.storage, settings), settings["study"], create=True,
-                               prune=not args.no_prune, heartbeat=args.heartbeat)
-            record = sweep_record(study, sweep, settings)
+            study, created = open_study(storage_of(sweep, args.storage, settings), settings["study"], create=True,
+                                        prune=not args.no_prune, heartbeat=args.heartbeat)
+            record = sweep_record(study, sweep, settings, created)
             run_sweep(study, space, sweep, settings, args.trials, args.seed, args.heartbeat, record)
         report(study, sweep, settings)
         if record:  # the sweep's files on its MLflow run
@@ -291,9 +292,11 @@ def storage_of(sweep, storage, settings):
 
 
 def open_study(url, name, create=False, prune=True, heartbeat=10, tries=5):
-    """The Optuna study (maximising the metric) in an RDB storage whose workers record a heartbeat: a trial silent
-    for 3 heartbeats is failed and run again (RETRY) by the next worker to start a trial. Median pruning at the
-    same percent of the schedule, unless not prune; created with the sweep."""
+    """(study, created): the Optuna study (maximising the metric) in an RDB storage whose workers record a
+    heartbeat: a trial silent for 3 heartbeats is failed and run again (RETRY) by the next worker to start a trial.
+    Median pruning at the same percent of the schedule, unless not prune. With create, made if it does not exist;
+    created says whether this call made it: of workers starting together exactly one did (the database's unique
+    study name decides), and that one creates what the workers share (sweep_record)."""
     from sqlalchemy.exc import SQLAlchemyError
 
     pruner = optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=PRUNE_FROM) if prune else \
@@ -305,9 +308,10 @@ def open_study(url, name, create=False, prune=True, heartbeat=10, tries=5):
                 storage = optuna.storages.RDBStorage(url, heartbeat_interval=heartbeat, grace_period=3 * heartbeat,
                                                      heartbeat_stale_trial_callback=RETRY)
             if create:
-                return optuna.create_study(storage=storage, study_name=name, direction="maximize", pruner=pruner,
-                                           load_if_exists=True)
-            return optuna.load_study(storage=storage, study_name=name, pruner=pruner)
+                with suppress(optuna.exceptions.DuplicatedStudyError):
+                    return optuna.create_study(storage=storage, study_name=name, direction="maximize",
+                                               pruner=pruner), True
+            return optuna.load_study(storage=storage, study_name=name, pruner=pruner), False
         except (KeyError, ImportError, ValueError) as e:
             raise UsageError(f"study {name!r} in {url.split('@')[-1]}: {e}") from None
         except SQLAlchemyError as e:  # workers starting together race to create the database's tables: try again
@@ -316,10 +320,11 @@ def open_study(url, name, create=False, prune=True, heartbeat=10, tries=5):
             time.sleep(0.2 * (attempt + 1))
 
 
-def sweep_record(study, sweep, settings):
+def sweep_record(study, sweep, settings, created=True):
     """The sweep's record in MLflow (utils/trackers.MLflowSweep: a parent run, a child run per trial) where its
     recipe's log.to names mlflow, else None; W&B groups the trials' runs after the sweep (sweep_environment). An
-    MLflow that cannot be reached is one line, and the sweep goes on without it (unless log.required)."""
+    MLflow that cannot be reached is one line, and the sweep goes on without it (unless log.required). The worker
+    that created the study creates the parent run; workers that started with it wait for its id (parent_run)."""
     log = settings.get("resolved", {}).get("log", {})
     if grouped := sweep_environment(log.get("to", []), sweep):
         print(f"{colorstr('tune:')} W&B records each trial as a run of project {grouped[0]}, group {grouped[1]}")
@@ -329,8 +334,9 @@ def sweep_record(study, sweep, settings):
         fixed = {k: v for k, v in flat_params(settings["resolved"]).items() if k not in settings["space"]}
         params = {**fixed, **{f"space.{k}": yaml.safe_dump(v, default_flow_style=True).strip()
                                        for k, v in settings["space"].items()}}
-        record = MLflowSweep(sweep, params, study.user_attrs.get("mlflow_parent"))
+        record = MLflowSweep(sweep, params, parent_run(study, created))
     except Exception as e:  # whatever MLflow raises for a server down or a bad URI
+        study.set_user_attr("mlflow_parent", "")  # none: the other workers need not wait for it
         if log.get("required"):
             raise UsageError(f"log.to: MLflow cannot record the sweep ({first_line(e)}) and log.required=true; fix it, "
                              f"or set log.required=false to sweep on without it") from None
@@ -340,6 +346,20 @@ def sweep_record(study, sweep, settings):
     print(f"{colorstr('tune:')} recorded in MLflow at {record.uri}: run {sweep.name} (the sweep) and a child run "
           f"per trial (mlflow ui --backend-store-uri {record.uri})")
     return record
+
+
+def parent_run(study, created, wait=PARENT_WAIT):
+    """The sweep's MLflow parent run id that the study keeps, or None where this worker is to create it: it created
+    the study, or the worker that did has not said within wait seconds (it died before; one line). Two workers
+    that each created a parent would split the sweep's trials between two runs."""
+    deadline = time.monotonic() + wait
+    while (parent := study.user_attrs.get("mlflow_parent")) is None and not created:
+        if time.monotonic() > deadline:
+            print(f"{colorstr('tune:')} the worker that created study {study.study_name} has not created its MLflow "
+                  f"run in {wait:.0f} s; this worker creates it")
+            return None
+        time.sleep(0.5)
+    return parent or None
 
 
 def run_sweep(study, space, sweep, settings, trials, seed=0, heartbeat=10, record=None):

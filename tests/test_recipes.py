@@ -32,10 +32,10 @@ STAND_INS = {
     "folder.yaml": ((6, 2), ["train.batch_size=12", "data.img_size=32"]),
     "multilabel-photos.yaml": ((6, 2), ["train.batch_size=12", "data.img_size=32"]),
     # fp32: on a CPU with AVX512-BF16 (torch 2.14.1), bf16's weight gradient of layer4's strided 3x3 convolution on
-    # the 1x1 maps of 16 px images is non-finite at this batch (docs/techniques.md, bf16)
-    "imagenet-resnet50.yaml": ((1, 0), ["train.batch_size=500", "data.img_size=16", "data.val_img_size=16",
+    # the 1x1 maps of 16 px images is wrong from batches of about 128 (docs/techniques.md, bf16)
+    "imagenet-resnet50.yaml": ((1, 0), ["train.batch_size=50", "data.img_size=16", "data.val_img_size=16",
                                         "train.precision=fp32"]),
-    "imagenet-vit_b_16.yaml": ((1, 0), ["train.batch_size=500", "data.img_size=16", "train.precision=fp32"]),
+    "imagenet-vit_b_16.yaml": ((1, 0), ["train.batch_size=50", "data.img_size=16", "train.precision=fp32"]),
 }
 
 
@@ -45,8 +45,9 @@ def test_every_recipe_has_a_stand_in():
 
 @pytest.fixture(scope="module")
 def imagenet_standin(tmp_path_factory):
-    """1,000 classes of one 8x8 image each for training, 10 of them with a val image."""
-    classes = [f"n{i:08d}" for i in range(1000)]
+    """100 classes (ImageNet's folder names) of one 8x8 image each for training, 10 of them with a val image: the
+    ImageNet models' two steps at a batch of 50, a tenth of the compute of ImageNet's 1,000 classes at 500."""
+    classes = [f"n{i:08d}" for i in range(100)]
     return make_image_folder(tmp_path_factory.mktemp("imagenet"), {"train": dict.fromkeys(classes, 1),
                                                                    "val": dict.fromkeys(classes[:10], 1)}, size=8)
 

@@ -168,7 +168,12 @@ def mlflow_experiment(client, uri, name):
         return experiment.experiment_id
     database = uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else None
     files = (Path(database).parent / "mlartifacts").resolve().as_uri() if database else None
-    return client.create_experiment(name, artifact_location=files)
+    try:
+        return client.create_experiment(name, artifact_location=files)
+    except Exception:  # RESOURCE_ALREADY_EXISTS where another process made it since: runs starting together
+        if experiment := client.get_experiment_by_name(name):
+            return experiment.experiment_id
+        raise
 
 
 def log_params(mlflow, client, run_id, params):
