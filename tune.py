@@ -336,13 +336,15 @@ def sweep_record(study, sweep, settings, created=True):
                                        for k, v in settings["space"].items()}}
         record = MLflowSweep(sweep, params, parent_run(study, created))
     except Exception as e:  # whatever MLflow raises for a server down or a bad URI
-        study.set_user_attr("mlflow_parent", "")  # none: the other workers need not wait for it
+        if created:  # none: the workers that started with this one need not wait for it
+            study.set_user_attr("mlflow_parent", "")
         if log.get("required"):
             raise UsageError(f"log.to: MLflow cannot record the sweep ({first_line(e)}) and log.required=true; fix it, "
                              f"or set log.required=false to sweep on without it") from None
         print(f"{colorstr('tune:')} MLflow cannot record the sweep ({first_line(e)}); going on without it")
         return None
-    study.set_user_attr("mlflow_parent", record.parent_id)
+    if not study.user_attrs.get("mlflow_parent"):  # the sweep's first record; a shared one is never replaced
+        study.set_user_attr("mlflow_parent", record.parent_id)
     print(f"{colorstr('tune:')} recorded in MLflow at {record.uri}: run {sweep.name} (the sweep) and a child run "
           f"per trial (mlflow ui --backend-store-uri {record.uri})")
     return record
@@ -350,10 +352,11 @@ def sweep_record(study, sweep, settings, created=True):
 
 def parent_run(study, created, wait=PARENT_WAIT):
     """The sweep's MLflow parent run id that the study keeps, or None where this worker is to create it: it created
-    the study, or the worker that did has not said within wait seconds (it died before; one line). Two workers
-    that each created a parent would split the sweep's trials between two runs."""
+    the study; the study has trials already (a sweep going on, whose first record failed or predates this); or the
+    worker that created it has not said within wait seconds (it died first; one line). Only a worker that started
+    with the creator waits: two workers each creating a parent would split the sweep's trials between two runs."""
     deadline = time.monotonic() + wait
-    while (parent := study.user_attrs.get("mlflow_parent")) is None and not created:
+    while (parent := study.user_attrs.get("mlflow_parent")) is None and not created and not study.trials:
         if time.monotonic() > deadline:
             print(f"{colorstr('tune:')} the worker that created study {study.study_name} has not created its MLflow "
                   f"run in {wait:.0f} s; this worker creates it")

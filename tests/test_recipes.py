@@ -1,6 +1,6 @@
-"""Every recipe in recipes/ validates and trains: two steps and a validation on a tiny stand-in of its dataset (the
-same classes, small images and model inputs), in this process, so that no recipe can rot: the steps move every
-weight, the checkpoint holds the recipe as run, and val.py measures it as training did."""
+"""Every recipe in recipes/ validates and trains: two steps and a validation on a tiny stand-in of its dataset (its
+classes, ImageNet's cut to 100; small images and model inputs), in this process, so that no recipe can rot: the
+steps move every weight, the checkpoint holds the recipe as run, and val.py measures it as training did."""
 
 import csv
 import shutil

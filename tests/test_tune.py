@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 import tune
-from conftest import ROOT, clean_env, make_image_folder, run_python
+from conftest import ROOT, clean_env, closed_port, make_image_folder, run_python
 
 SPACE = "optim.lr: {low: 0.02, high: 0.2, log: true}\ntrain.label_smoothing: {choices: [0.0, 0.1]}\n"
 FIXED = ["train.epochs=1", "model.width=8"]
@@ -52,8 +52,12 @@ def sweep(tmp_path_factory):
     project = base / "runs" / "tune"
     command = [sys.executable, *sweep_command(space, project, 3, *TRACKED)]
     workers = [subprocess.Popen(command, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True) for _ in range(2)]
-    outputs = [w.communicate(timeout=600) for w in workers]
+                                text=True, start_new_session=True) for _ in range(2)]
+    try:
+        outputs = [w.communicate(timeout=600) for w in workers]
+    finally:
+        for worker in workers:  # after a timeout, none is left running
+            worker.kill()
     return project, [subprocess.CompletedProcess(command, w.returncode, *out) for w, out in zip(workers, outputs)]
 
 
@@ -90,6 +94,7 @@ def test_a_sweep_runs_its_trials_and_writes_the_best_as_a_recipe_that_trains(swe
 @pytest.mark.slow
 def test_two_workers_on_one_study_run_distinct_trials(sweep):
     project, workers = sweep
+    assert all(w.returncode == 0 for w in workers), [w.stderr[-2000:] for w in workers]
     trials = read_trials(project / "cls-space")
     ran = [[line.split()[2].rstrip(":") for line in w.stdout.splitlines() if line.startswith("tune: trial")]
            for w in workers]
@@ -128,6 +133,47 @@ def test_a_sweep_is_one_mlflow_parent_run_with_a_child_run_per_trial(sweep):
     assert parent.data.metrics["best_value"] == pytest.approx(study.best_value)
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"trials.csv", "best.yaml", "history.png",
                                                                             "importances.png"}
+
+
+def test_only_a_worker_that_started_with_the_studys_creator_waits_for_its_mlflow_run(tmp_path, monkeypatch, capsys):
+    """parent_run: the creator makes the parent run, a joining worker takes the study's, a sweep going on (trials
+    recorded) or a creator without MLflow ("") is not waited for, and a creator silent for `wait` seconds is named."""
+    study, created = tune.open_study(f"sqlite:///{tmp_path / 'study.db'}", "s", create=True)
+    assert created and tune.parent_run(study, created=True) is None
+
+    def no_wait(seconds):
+        raise AssertionError("waited")
+    with monkeypatch.context() as patch:
+        patch.setattr(tune.time, "sleep", no_wait)
+        study.set_user_attr("mlflow_parent", "")
+        assert tune.parent_run(study, created=False) is None  # the creator has no MLflow run: make one
+        study.set_user_attr("mlflow_parent", "abc")
+        assert tune.parent_run(study, created=False) == "abc"
+        later, _ = tune.open_study(f"sqlite:///{tmp_path / 'later.db'}", "s", create=True)
+        later.tell(later.ask(), 0.5)  # a sweep going on whose parent run was never recorded
+        assert tune.parent_run(later, created=False) is None
+    fresh, _ = tune.open_study(f"sqlite:///{tmp_path / 'fresh.db'}", "s", create=True)
+    assert tune.parent_run(fresh, created=False, wait=0.2) is None
+    assert capsys.readouterr().out.endswith("the worker that created study s has not created its MLflow run in 0 s; "
+                                            "this worker creates it\n")
+
+
+@pytest.mark.skipif(not TRACKED, reason="needs mlflow (requirements-track.txt)")
+def test_a_worker_whose_mlflow_fails_keeps_the_sweeps_parent_run_and_one_without_it_makes_its_own(tmp_path,
+                                                                                                monkeypatch):
+    """A worker that cannot reach MLflow leaves the study's parent run id as it was; a worker whose MLflow (a store
+    of its machine's own) does not hold that run records under a parent run of its own, and does not replace it."""
+    study, _ = tune.open_study(f"sqlite:///{tmp_path / 'study.db'}", "s", create=True)
+    study.set_user_attr("mlflow_parent", "0" * 32)
+    settings = {"resolved": {"log": {"to": ["tensorboard", "mlflow"]}}, "space": {}}
+    sweep = tmp_path / "tune" / "cls-space"
+    with monkeypatch.context() as patch:
+        patch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{closed_port()}")
+        assert tune.sweep_record(study, sweep, settings, created=False) is None
+    assert study.user_attrs["mlflow_parent"] == "0" * 32
+    record = tune.sweep_record(study, sweep, settings, created=False)  # the store beside the project: not there
+    assert record.parent_id != "0" * 32 and record.client.get_run(record.parent_id).info.run_name == "cls-space"
+    assert study.user_attrs["mlflow_parent"] == "0" * 32
 
 
 @pytest.mark.parametrize("space_text, expected", [

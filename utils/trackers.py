@@ -168,10 +168,12 @@ def mlflow_experiment(client, uri, name):
         return experiment.experiment_id
     database = uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else None
     files = (Path(database).parent / "mlartifacts").resolve().as_uri() if database else None
+    from mlflow.exceptions import MlflowException
+
     try:
         return client.create_experiment(name, artifact_location=files)
-    except Exception:  # RESOURCE_ALREADY_EXISTS where another process made it since: runs starting together
-        if experiment := client.get_experiment_by_name(name):
+    except MlflowException as e:  # another process made it since (runs starting together): take theirs
+        if e.error_code == "RESOURCE_ALREADY_EXISTS" and (experiment := client.get_experiment_by_name(name)):
             return experiment.experiment_id
         raise
 
@@ -187,11 +189,17 @@ class MLflowSweep:
     """tune.py's record in MLflow: a parent run for the sweep (named after it, its fixed recipe and space as
     parameters, the best score so far as a metric by trial number), and for each trial a child run that the trial's
     train.py records into (MLFLOW_RUN_ID), tagged with its number and, at its end, its state (COMPLETE, PRUNED,
-    FAIL). parent_id: the sweep's parent run, which every worker shares (the study keeps it)."""
+    FAIL). parent_id: the sweep's parent run, which every worker shares (the study keeps it); where this worker's
+    MLflow does not hold it (machines with a store each: MLFLOW_TRACKING_URI not shared), a parent run of its own."""
 
     def __init__(self, sweep, params, parent_id=None):
         self.mlflow, self.client, self.uri = mlflow_client(sweep)  # beside the project: runs/ for runs/tune
         self.experiment = mlflow_experiment(self.client, self.uri, sweep.parent.name)
+        if parent_id is not None:
+            try:
+                self.client.get_run(parent_id)
+            except self.mlflow.exceptions.MlflowException:  # RESOURCE_DOES_NOT_EXIST: another machine's store
+                parent_id = None
         if parent_id is None:
             parent_id = self.client.create_run(self.experiment, run_name=sweep.name).info.run_id
             log_params(self.mlflow, self.client, parent_id, params)
