@@ -34,7 +34,7 @@ from utils.general import (LOGGER, RANK, UsageError, colorstr, cpu_count, format
                            save_probabilities)
 from utils.plots import THUMBNAIL_SIDE, annotated_image, contact_sheet
 from utils.precision import autocast, inference_precision
-from utils.torch_utils import memory_format, select_device, set_device
+from utils.torch_utils import select_device, set_device
 from utils.multilabel import chosen_thresholds, threshold_option
 from utils.tta import TTA_NAME, flip_warning, tta_logits
 
@@ -141,8 +141,7 @@ def predict(args):
     loader = DataLoader(ImageFiles(paths, val_transforms(cfg.data)), batch_size=args.batch_size,
                         num_workers=min(args.workers, len(paths) // args.batch_size), collate_fn=collate,
                         pin_memory=device.type == "cuda")
-    model = model_from_checkpoint(ckpt, cfg, args.weights)
-    model = model.to(device, memory_format=memory_format(cfg.train.channels_last is True))  # as val.py: as it trained
+    model = model_from_checkpoint(ckpt, cfg, args.weights, device)
     normalize, k = normalizer(cfg.data, device), min(args.topk, len(classes))
     if args.tta and RANK == 0:
         LOGGER.info(f"{colorstr('predict:')} TTA: {TTA_NAME}")

@@ -38,7 +38,7 @@ from utils.metrics import evaluate, per_class
 from utils.multilabel import SAVED, chosen_thresholds, evaluate_multilabel, threshold_option
 from utils.plots import confusion_figure, save_figure
 from utils.precision import inference_precision
-from utils.torch_utils import memory_format, select_device, set_device, set_threads
+from utils.torch_utils import select_device, set_device, set_threads
 from utils.tta import TTA_NAME, flip_warning
 
 MAX_CLASSES_SHOWN = 50  # more classes are saved to per_class.csv but not printed
@@ -113,10 +113,7 @@ def validate(args):
         raise UsageError(f"--batch-size {batch_size}: must be >= 1")
     batch_size = max(batch_size // WORLD_SIZE, 1) * WORLD_SIZE  # split evenly between the processes
     loader = build_dataloader(dataset, batch_size, False, cfg.seed, workers, device)
-    # in the layout it trained in (in bf16 another layout's kernels round otherwise than the run's validation); a
-    # checkpoint older than train.channels_last trained contiguous ('auto': the key's default, never saved)
-    model = model_from_checkpoint(ckpt, cfg, args.weights)
-    model = model.to(device, memory_format=memory_format(cfg.train.channels_last is True))
+    model = model_from_checkpoint(ckpt, cfg, args.weights, device)
     LOGGER.info(f"{colorstr('val:')} {args.weights} ({position(ckpt)}) on {short_path(dataset.root)}: "
                 f"{len(dataset)} images, {len(classes)} classes; {WORLD_SIZE} process(es) on {device.type}, "
                 f"batch {batch_size}, {precision}{f'; TTA: {TTA_NAME}' if args.tta else ''}")

@@ -16,7 +16,7 @@ from utils.checkpoint import load_checkpoint, state_dict_mismatch
 from utils.distributed import on_rank0
 from utils.general import LOGGER, WORLD_SIZE, SharedError, UsageError, colorstr
 from utils.precision import settle_auto
-from utils.torch_utils import batchnorm_layers
+from utils.torch_utils import batchnorm_layers, memory_format
 
 # Their training-mode output is (logits, aux logits): build them with the main head only, so every model
 # returns plain logits. init_weights=True keeps torchvision's current initialisation and silences its warning.
@@ -170,14 +170,19 @@ def start_from(model, cfg, num_classes):
     LOGGER.info(f"{colorstr('model:')} loaded {what}{head}")
 
 
-def model_from_checkpoint(ckpt, cfg, source):
-    """The network a checkpoint holds (built from its recipe cfg, with its weights) in eval mode."""
+def model_from_checkpoint(ckpt, cfg, source, device=None):
+    """The network a checkpoint holds (built from its recipe cfg, with its weights) in eval mode; with a device, on
+    it in the memory format it trained in (in bf16 another layout's kernels round otherwise than the run's
+    validation; a checkpoint older than train.channels_last trained contiguous: its 'auto' is the key's default,
+    never saved)."""
     model = build_model(cfg.model, len(ckpt["classes"]), cfg.data.img_size)
     try:
         model.load_state_dict(ckpt["model"])
     except RuntimeError as e:
         raise UsageError(f"{source}: its weights do not fit the model of its recipe ({cfg.model.name}): "
                          f"{state_dict_mismatch(e)}") from None
+    if device is not None:
+        model = model.to(device, memory_format=memory_format(cfg.train.channels_last is True))
     return model.eval()
 
 

@@ -269,12 +269,10 @@ def forward_logits(weights, files):
     from utils.checkpoint import load_model_checkpoint
     from utils.config import checkpoint_recipe
     from utils.precision import autocast, autocast_dtype
-    from utils.torch_utils import memory_format
 
     ckpt, cpu = load_model_checkpoint(weights), torch.device("cpu")
     cfg = checkpoint_recipe(ckpt["recipe"], weights)
-    model = model_from_checkpoint(ckpt, cfg, weights)
-    model = model.to(memory_format=memory_format(cfg.train.channels_last is True))  # as val.py
+    model = model_from_checkpoint(ckpt, cfg, weights, cpu)  # as val.py
     transform, normalize = val_transforms(cfg.data), normalizer(cfg.data, cpu)
     with torch.no_grad(), autocast(cpu, autocast_dtype(cfg.train.precision, cpu)):
         return model(normalize(torch.stack([transform(decode(f)) for f in files]))).float()

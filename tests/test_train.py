@@ -20,7 +20,7 @@ from data.datasets import build_dataloader
 from data.sources import build_datasets, dataset_root
 from data.transforms import normalizer, val_transforms
 from data.verify import decode
-from models import build_model, check_batch_for_batchnorm, settle
+from models import build_model, check_batch_for_batchnorm, model_from_checkpoint, settle
 from utils.checkpoint import load_checkpoint
 from utils.config import CHANGES_RESULTS_WHEN, ModelConfig, Recipe, checkpoint_recipe, flat_keys, load_recipe
 from utils.loggers import COLUMNS, TENSORBOARD_TAGS, RunLogger
@@ -31,15 +31,13 @@ from utils.torch_utils import batchnorm_layers, one_image_batchnorm
 
 
 def evaluate_checkpoint(path):
-    """Single-process top-1 of a checkpoint on the validation set named by its own recipe, in the precision it was
-    trained in."""
-    ckpt = load_checkpoint(path)
-    cfg = OmegaConf.merge(OmegaConf.structured(Recipe), ckpt["recipe"])
-    model = build_model(cfg.model, len(ckpt["classes"]))
-    model.load_state_dict(ckpt["model"])
+    """Single-process top-1 of a checkpoint on the validation set named by its own recipe, in the precision and
+    memory format it was trained in."""
+    ckpt, cpu = load_checkpoint(path), torch.device("cpu")
+    cfg = checkpoint_recipe(ckpt["recipe"], path)
+    model = model_from_checkpoint(ckpt, cfg, path, cpu)
     _, val_set = build_datasets(dataset_root(cfg.data.name), None, val_transforms(cfg.data))
-    loader = build_dataloader(val_set, 64, False, 0, 0, torch.device("cpu"))
-    cpu = torch.device("cpu")
+    loader = build_dataloader(val_set, 64, False, 0, 0, cpu)
     return evaluate(model, loader, normalizer(cfg.data, cpu), len(ckpt["classes"]), cpu,
                     autocast_dtype(cfg.train.precision, cpu))
 
@@ -108,6 +106,14 @@ def test_checkpoints_load_weights_only_and_hold_the_evaluated_model(digits_run):
     # Re-evaluating best.pt alone counts exactly what the two ranks counted together during training.
     assert evaluate_checkpoint(project / "exp" / "weights" / "best.pt")["val/top1"] == best["best_score"]
     assert not list((project / "exp" / "weights").glob(".*.tmp-*"))
+    # val.py and predict.py evaluate it in the layout it trained in (channels_last: auto's, for the convnet); a
+    # checkpoint from before train.channels_last existed trained contiguous
+    cfg, cpu = checkpoint_recipe(best["recipe"], "best.pt"), torch.device("cpu")
+    first_conv = model_from_checkpoint(best, cfg, "best.pt", cpu).features[0][0].weight
+    assert first_conv.is_contiguous(memory_format=torch.channels_last) and not first_conv.is_contiguous()
+    del best["recipe"]["train"]["channels_last"]
+    older = model_from_checkpoint(best, checkpoint_recipe(best["recipe"], "best.pt"), "best.pt", cpu)
+    assert older.features[0][0].weight.is_contiguous()
 
 
 @pytest.mark.slow
