@@ -1,8 +1,10 @@
 """Run by test_jpeg_cache.py under torchrun: every rank builds the data.cache=jpeg datasets of DATA with their files
 in CACHE, recording the images each local rank encoded per file (its header's writers) in CACHE/writers.txt and the
-images it reads in CACHE/rank{RANK}.txt. FAULTS (comma-separated) make a rank's encoding slow, stop or fail:
+images it reads in CACHE/rank{RANK}.txt. FAULTS (comma-separated) make a rank's encoding slow, stop or fail, or
+make the other ranks claim images only once RANK has claimed two of each file (lead:RANK, so that its share does not
+depend on which rank started first):
 
-    torchrun --nproc_per_node=2 tests/jpeg_cache_driver.py DATA CACHE [slow:RANK:SECONDS,hang:RANK,fail:RANK]
+    torchrun --nproc_per_node=2 tests/jpeg_cache_driver.py DATA CACHE [slow:RANK:SECONDS,hang:RANK,fail:RANK,lead:RANK]
     (RANK may be all)
 """
 
@@ -24,10 +26,25 @@ from utils.distributed import FAILURE_GRACE_S, cleanup_distributed, setup_distri
 from utils.general import RANK, ImageError  # noqa: E402
 
 
+def follow(leader):
+    """Start claiming a file's images only once the leader has claimed two chunks (one image each at 8 images)."""
+    encode_chunks = data.jpeg_cache.encode_chunks
+
+    def after_the_leader(source, path, tmp, form, transform, store, job, work, topology):
+        deadline = time.monotonic() + 60
+        while store.add(f"{work}/chunks", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return encode_chunks(source, path, tmp, form, transform, store, job, work, topology)
+    if str(RANK) != leader:
+        data.jpeg_cache.encode_chunks = after_the_leader
+
+
 def inject(fault):
-    """Make this rank's encoding (JPEG and raw) sleep SECONDS per image (slow:RANK:SECONDS), forever (hang:RANK), or
-    raise the ImageError of an unreadable image (fail:RANK)."""
+    """Make this rank's encoding (JPEG and raw) sleep SECONDS per image, one image at a time (slow:RANK:SECONDS),
+    forever (hang:RANK), or raise the ImageError of an unreadable image (fail:RANK)."""
     kind, rank, *seconds = fault.split(":")
+    if kind == "lead":
+        return follow(rank)
     if rank not in ("all", str(RANK)):
         return
     released = threading.Event()
@@ -49,6 +66,7 @@ def inject(fault):
         return sleep_and_encode
     for name in ("jpeg_bytes", "raw_pixels"):
         setattr(data.jpeg_cache, name, faulty(getattr(data.jpeg_cache, name)))
+    data.jpeg_cache.cpu_count = lambda: 1  # one encoding thread a process: a slow rank's progress is one image a time
 
 
 def main(root, cache, fault=None):

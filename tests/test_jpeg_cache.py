@@ -273,7 +273,7 @@ def run_driver(root, cache, *fault, timeout=300):
 
 @pytest.mark.slow
 def test_two_processes_write_each_file_together_and_it_holds_what_one_process_writes(root, tmp_path):
-    result, writers = run_driver(root, tmp_path / "cache", "slow:all:0.05")  # both ranks in time to claim images
+    result, writers = run_driver(root, tmp_path / "cache", "slow:all:0.2")  # both ranks in time to claim images
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(writers) == 2 and all(len(w) == 2 and min(w) > 0 and sum(w) == len(SIZES) for w in writers), writers
     assert len(cache_files(tmp_path / "cache")) == 2  # no temporary file left
@@ -289,7 +289,7 @@ def test_two_processes_write_each_file_together_and_it_holds_what_one_process_wr
 @pytest.mark.slow
 def test_a_waiting_rank_outlasts_the_stall_limit_while_the_writer_progresses(root, tmp_path, monkeypatch):
     monkeypatch.setenv("CLS_STALL_SECONDS", "0.8")
-    result, writers = run_driver(root, tmp_path / "cache", "slow:0:0.5")  # rank 0 makes progress every 0.5 s
+    result, writers = run_driver(root, tmp_path / "cache", "slow:0:0.5,lead:0")  # rank 0 makes progress every 0.5 s
     assert result.returncode == 0, result.stderr[-3000:]
     assert writers[0][0] * 0.5 > 0.8  # rank 1, done with its share at once, waited on rank 0 longer than the limit
 
