@@ -18,6 +18,11 @@ import json
 import warnings
 from pathlib import Path
 
+from utils.general import LOGGER, UsageError, after_imports, before_imports, colorstr
+
+if __name__ == "__main__":  # no collection during the imports below (utils/general.before_imports)
+    before_imports()
+
 import torch
 
 from data.transforms import preprocessing, val_size
@@ -25,7 +30,6 @@ from models import model_from_checkpoint
 from utils.checkpoint import load_model_checkpoint
 from utils.config import checkpoint_recipe
 from utils.distributed import exit_on_error
-from utils.general import LOGGER, UsageError, colorstr
 from utils.once import atomic_write
 
 SUFFIXES = {"torchscript": ".torchscript", "onnx": ".onnx"}
@@ -165,4 +169,5 @@ def check_outputs(model, run, batches, name):
 
 
 if __name__ == "__main__":
+    after_imports()
     main()

@@ -19,6 +19,12 @@ import json
 import sys
 from pathlib import Path
 
+from utils.general import (LOGGER, RANK, UsageError, after_imports, before_imports, colorstr, cpu_count,
+                           format_table, increment_path, save_probabilities)
+
+if __name__ == "__main__":  # no collection during the imports below (utils/general.before_imports)
+    before_imports()
+
 import torch
 from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS
@@ -30,8 +36,6 @@ from models import model_from_checkpoint
 from utils.checkpoint import load_model_checkpoint
 from utils.config import checkpoint_recipe
 from utils.distributed import exit_on_error
-from utils.general import (LOGGER, RANK, UsageError, colorstr, cpu_count, format_table, increment_path,
-                           save_probabilities)
 from utils.plots import THUMBNAIL_SIDE, annotated_image, contact_sheet
 from utils.precision import autocast, inference_precision
 from utils.torch_utils import select_device, set_device
@@ -279,4 +283,5 @@ def unique_name(path, taken):
 
 
 if __name__ == "__main__":
+    after_imports()
     main()

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from utils.general import end_quietly_on_interrupt
+from utils.general import LOGGER, RANK, WORLD_SIZE, SharedError, UsageError, after_imports, before_imports, colorstr
 
-if __name__ == "__main__":  # first: a Ctrl-C during the imports below ends the process with one line
-    end_quietly_on_interrupt()
+if __name__ == "__main__":  # first: a Ctrl-C during the imports below ends the process with one line; no collection
+    before_imports(quiet_interrupt=True)
 
 import torch
 from omegaconf import OmegaConf
@@ -40,7 +40,6 @@ from utils.checkpoint import restore, save_state
 from utils.config import Recipe, best_metric
 from utils.distributed import (cleanup_distributed, exit_on_error, keep_ranks_in_step, setup_distributed,
                                stop_if_another_rank_failed)
-from utils.general import LOGGER, RANK, WORLD_SIZE, SharedError, UsageError, colorstr
 from utils.loggers import WRONG_SHOWN, RunLogger, epoch_summary, progress, startup_line
 from utils.losses import build_criterion
 from utils.metrics import EpochLoss, evaluate, evaluate_ema
@@ -347,4 +346,5 @@ def save(loop, state, epoch, *names, best_from_ema=False):
 
 
 if __name__ == "__main__":
+    after_imports()
     main()

@@ -37,6 +37,11 @@ import warnings
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from utils.general import UsageError, after_imports, before_imports, colorstr, short_path
+
+if __name__ == "__main__":  # no collection during the imports below (utils/general.before_imports)
+    before_imports()
+
 import numpy as np
 import yaml
 from omegaconf import OmegaConf
@@ -53,7 +58,6 @@ except ImportError:
 from models import check_model_name
 from utils.config import (RECIPES_DIR, SECTIONS, RecipeError, as_override, best_metric, find_recipe, load_recipe,
                           schema_leaves)
-from utils.general import UsageError, colorstr, short_path
 from utils.once import atomic_write
 from utils.trackers import MLflowSweep, first_line, flat_params, sweep_environment
 
@@ -681,4 +685,5 @@ def plots(study, sweep):
 
 
 if __name__ == "__main__":
+    after_imports()
     main()

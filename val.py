@@ -20,6 +20,12 @@ import csv
 import json
 from pathlib import Path
 
+from utils.general import (LOGGER, RANK, WORLD_SIZE, UsageError, after_imports, before_imports, colorstr,
+                           format_table, increment_path, save_probabilities, short_path)
+
+if __name__ == "__main__":  # no collection during the imports below (utils/general.before_imports)
+    before_imports()
+
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -32,8 +38,6 @@ from utils.checkpoint import load_model_checkpoint, position
 from utils.config import checkpoint_recipe
 from utils.distributed import (cleanup_distributed, exit_on_error, on_rank0, setup_distributed,
                                stop_if_another_rank_failed)
-from utils.general import (LOGGER, RANK, WORLD_SIZE, UsageError, colorstr, format_table, increment_path,
-                           save_probabilities, short_path)
 from utils.metrics import evaluate, per_class
 from utils.multilabel import SAVED, chosen_thresholds, evaluate_multilabel, threshold_option
 from utils.plots import confusion_figure, save_figure
@@ -226,4 +230,5 @@ def save_results(save_dir, metrics, classes, run):
 
 
 if __name__ == "__main__":
+    after_imports()
     main()

@@ -40,6 +40,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from utils.general import before_imports  # noqa: E402
+
+before_imports()  # as train.py's own, which run_path calls, and its after_imports
+
 import torch  # noqa: E402
 
 import data.jpeg_cache  # noqa: E402

@@ -14,6 +14,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from utils.general import after_imports, before_imports  # noqa: E402
+
+before_imports()  # as train.py run as a command
+
 import train  # noqa: E402
 from utils.config import load_recipe  # noqa: E402
 from utils.distributed import cleanup_distributed, setup_distributed  # noqa: E402
@@ -61,6 +65,7 @@ def option(options, key, default=None):
 
 
 if __name__ == "__main__":
+    after_imports()
     options = sys.argv[3:]
     main(sys.argv[1], sys.argv[2], "one-core" in options, option(options, "shards"), "multilabel" in options,
          int(option(options, "accumulate", 1)))

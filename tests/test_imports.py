@@ -1,10 +1,15 @@
 """The project's imports go one way: the scripts (train, val, predict, export, tune) -> data/, models/ -> utils/, with no
 cycle; read from the source with ast, imports inside functions included (a function-level import is still an
-arrow, only a later one)."""
+arrow, only a later one). A script run as a command collects no garbage while it imports, then freezes what it
+imported."""
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("utils", "data", "models")
@@ -151,3 +156,29 @@ def test_jpeg_bytes_are_decoded_in_one_place_by_torchcodec_not_torchvisions_depr
     decoders = {str(path.relative_to(ROOT)) for path in ROOT.rglob("*.py") if "tests" not in path.parts
                 and "from torchcodec" in path.read_text()}
     assert decoders == {"data/batches.py"}
+
+
+# Run with a script's path: runs it as a command (--help), counting the garbage collections that start once it began
+# importing torch until it froze its imports' objects (utils/general.after_imports), and how many it froze.
+PROBE = """
+import atexit, gc, sys
+path = sys.argv[1]
+code = compile(open(path).read(), path, "exec")
+unfrozen = []
+gc.callbacks.append(lambda phase, info: phase == "start" and "torch" in sys.modules and not gc.get_freeze_count() and
+                    unfrozen.append(info))
+atexit.register(lambda: print(f"collections importing torch before the freeze: {len(unfrozen)}, "
+                             f"frozen: {gc.get_freeze_count()}"))
+sys.argv = [path, "--help"]
+exec(code, {"__name__": "__main__", "__file__": path})
+"""
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_script_run_as_a_command_collects_no_garbage_while_importing_then_freezes_its_imports(script):
+    result = subprocess.run([sys.executable, "-c", PROBE, f"{script}.py"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "usage:" in result.stdout, result.stderr[-2000:]
+    counts = re.search(r"collections importing torch before the freeze: (\d+), frozen: (\d+)", result.stdout)
+    before, frozen = map(int, counts.groups())
+    assert before == 0 and frozen > 100_000, (before, frozen)  # torch's and torchvision's objects: about 350,000

@@ -1,5 +1,6 @@
 """General helpers shared by every script: paths, logging, the errors reported as one line, run directories."""
 
+import gc
 import logging
 import os
 import re
@@ -36,10 +37,25 @@ def set_logging(name="cls"):
 LOGGER = set_logging()
 
 
-def end_quietly_on_interrupt():
-    """Until training's StopVote takes the signal over: Ctrl-C (SIGINT) while this process starts (importing torch
-    takes seconds) ends it at once (end_on_interrupt), not with a KeyboardInterrupt traceback from every process."""
-    signal.signal(signal.SIGINT, end_on_interrupt)
+def before_imports(quiet_interrupt=False):
+    """Called by a script run as a command, before it imports torch: no garbage collection until after_imports.
+    The imports make about 350,000 objects (torch, torchvision and torch._dynamo, which both import), every one of
+    them alive until the process ends, and each collection on the way traverses those made so far for nothing: 0.6 s
+    of the process's CPU. quiet_interrupt (train.py, until its StopVote takes the signal over): Ctrl-C (SIGINT) while
+    the process starts (importing torch takes seconds) ends it at once (end_on_interrupt), not with a
+    KeyboardInterrupt traceback from every process."""
+    gc.disable()
+    if quiet_interrupt:
+        signal.signal(signal.SIGINT, end_on_interrupt)
+
+
+def after_imports():
+    """After a script's imports (before_imports): the objects alive now move to where no collection looks (gc.freeze),
+    so that neither the collections while it runs nor the one at its exit (0.8 s of CPU) traverse them again, and a
+    DataLoader worker forked later does not copy the pages a traversal would write to; collection resumes for the
+    objects made from here on. The imports' few thousand garbage objects are kept with them (a few MB)."""
+    gc.freeze()
+    gc.enable()
 
 
 def end_on_interrupt(signum, frame=None):
