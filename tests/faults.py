@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from utils.general import before_imports  # noqa: E402
 
-before_imports()  # as train.py's own, which run_path calls, and its after_imports
+if __name__ == "__main__":
+    before_imports()  # as train.py's own, which run_path calls, and its after_imports
 
 import torch  # noqa: E402
 

@@ -1,11 +1,11 @@
 """Run by test_jpeg_cache.py under torchrun: every rank builds the data.cache=jpeg datasets of DATA with their files
 in CACHE, recording the images each local rank encoded per file (its header's writers) in CACHE/writers.txt and the
 images it reads in CACHE/rank{RANK}.txt. FAULTS (comma-separated) make a rank's encoding slow, stop or fail, or
-make the other ranks claim images only once RANK has claimed two of each file (lead:RANK, so that its share does not
-depend on which rank started first):
+make the other ranks claim images only once RANK has claimed two chunks of each file (lead:RANK, so that its share
+does not depend on which rank started first):
 
     torchrun --nproc_per_node=2 tests/jpeg_cache_driver.py DATA CACHE [slow:RANK:SECONDS,hang:RANK,fail:RANK,lead:RANK]
-    (RANK may be all)
+    (RANK may be all, but for lead)
 """
 
 import signal
@@ -40,8 +40,8 @@ def follow(leader):
 
 
 def inject(fault):
-    """Make this rank's encoding (JPEG and raw) sleep SECONDS per image, one image at a time (slow:RANK:SECONDS),
-    forever (hang:RANK), or raise the ImageError of an unreadable image (fail:RANK)."""
+    """Make this rank's encoding (JPEG and raw), in one thread, sleep SECONDS per image (slow:RANK:SECONDS), forever
+    (hang:RANK), or raise the ImageError of an unreadable image (fail:RANK)."""
     kind, rank, *seconds = fault.split(":")
     if kind == "lead":
         return follow(rank)
@@ -66,7 +66,7 @@ def inject(fault):
         return sleep_and_encode
     for name in ("jpeg_bytes", "raw_pixels"):
         setattr(data.jpeg_cache, name, faulty(getattr(data.jpeg_cache, name)))
-    data.jpeg_cache.cpu_count = lambda: 1  # one encoding thread a process: a slow rank's progress is one image a time
+    data.jpeg_cache.cpu_count = lambda: 1  # one encoding thread: a slowed rank's progress is one image at a time
 
 
 def main(root, cache, fault=None):

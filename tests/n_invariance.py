@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from utils.general import after_imports, before_imports  # noqa: E402
 
-before_imports()  # as train.py run as a command
+if __name__ == "__main__":
+    before_imports()  # as train.py run as a command
 
 import train  # noqa: E402
 from utils.config import load_recipe  # noqa: E402

@@ -39,11 +39,11 @@ LOGGER = set_logging()
 
 def before_imports(quiet_interrupt=False):
     """Called by a script run as a command, before it imports torch: no garbage collection until after_imports.
-    The imports make about 350,000 objects (torch, torchvision and torch._dynamo, which both import), every one of
-    them alive until the process ends, and each collection on the way traverses those made so far for nothing: 0.6 s
-    of the process's CPU. quiet_interrupt (train.py, until its StopVote takes the signal over): Ctrl-C (SIGINT) while
-    the process starts (importing torch takes seconds) ends it at once (end_on_interrupt), not with a
-    KeyboardInterrupt traceback from every process."""
+    The imports make about 350,000 objects (torch, torchvision and torch._dynamo, which torchvision imports), every
+    one of them alive until the process ends, and each collection on the way traverses those made so far for
+    nothing: 0.6 s of the process's CPU. quiet_interrupt (train.py, until its StopVote takes the signal over):
+    Ctrl-C (SIGINT) while the process starts (importing torch takes seconds) ends it at once (end_on_interrupt), not
+    with a KeyboardInterrupt traceback from every process."""
     gc.disable()
     if quiet_interrupt:
         signal.signal(signal.SIGINT, end_on_interrupt)
