@@ -130,6 +130,7 @@ class LogConfig:  # where rank 0 records the run besides results.csv and results
     to: list[str] = field(default_factory=lambda: ["tensorboard"])  # any of tensorboard, mlflow, wandb (the last two: pip install -r requirements-track.txt; docs/outputs.md)
     weights: bool = False  # mlflow, wandb: also upload weights/best.pt at the end of a finished run (weights are large)
     required: bool = False  # mlflow, wandb: refuse to train when one cannot be reached; false: one line, then train on without it
+    plots: bool = True  # draw results.png and the confusion matrix (matplotlib, about a second of CPU each time); false: none
 
 
 @dataclass
@@ -151,7 +152,8 @@ class Recipe:
 RESUME_KEYS = ("train.epochs", "train.patience", "train.save_every_steps", "train.log_every_steps", "train.accumulate",
                "train.hang_seconds",
                "train.compile", "train.channels_last", "data.workers", "ddp.bucket_cap_mb",
-               "ddp.gradient_as_bucket_view", "device", "project", "name", "log.to", "log.weights", "log.required")
+               "ddp.gradient_as_bucket_view", "device", "project", "name", "log.to", "log.weights", "log.required",
+               "log.plots")
 # Not ddp.comm_hook: like train.precision it changes every gradient's value (bf16 keeps 8 bits of it), not only the
 # order of fp32 sums, so a run resumed with another hook would not be the run it continues.
 
@@ -208,7 +210,7 @@ CHANGES_RESULTS_WHEN = {
                      "data.shard_hosts", "data.skip_corrupt", "data.csv_allow_outside", "train.log_every_steps", "train.save_every_steps",
                      "train.hang_seconds",
                      "train.compile", "train.channels_last", "train.deterministic", "ddp.bucket_cap_mb",
-                     "ddp.gradient_as_bucket_view", "log.to", "log.weights", "log.required"), never),
+                     "ddp.gradient_as_bucket_view", "log.to", "log.weights", "log.required", "log.plots"), never),
 }
 # Not train.accumulate, which a resume may change too: BatchNorm sees each micro-batch's statistics.
 

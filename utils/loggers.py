@@ -44,8 +44,9 @@ PROGRESS_SECONDS = 30  # output to a file (nohup, SLURM): a plain progress line 
 
 class RunLogger:
     """Appends one row per epoch to results.csv and the same scalars to TensorBoard event files in run_dir, with
-    image grids, the confusion matrix and results.png; and to the trackers of log.to (MLflow, W&B): the recipe as
-    parameters, the same scalars at the same steps, and at the end the plots, recipe.yaml and (log.weights) best.pt.
+    image grids, the confusion matrix and results.png (those two with log.plots); and to the trackers of log.to
+    (MLflow, W&B): the recipe as parameters, the same scalars at the same steps, and at the end the plots,
+    recipe.yaml and (log.weights) best.pt.
 
     TensorBoard's x-axis is the optimizer step for every tag (for epoch metrics, the step at the epoch's end). A
     resumed run (done = (epochs, steps) done) continues the record where its checkpoint was saved: later rows,
@@ -54,16 +55,17 @@ class RunLogger:
     """
 
     def __init__(self, run_dir, cfg, classes, done=None, tracked=None):
-        from torch.utils.tensorboard import SummaryWriter  # here: only rank 0 pays for importing TensorBoard
-
         self.run_dir, self.classes, self.csv_path = run_dir, list(classes), run_dir / "results.csv"
         self.columns = results_columns(cfg)
-        self.plots = PlotBudget(PLOT_SHARE)
+        self.plots = PlotBudget(PLOT_SHARE) if cfg.log.plots else None
         self.unplotted = None  # (global step, confusion matrix) of the last epoch logged, until plotted
         self.confusion = None  # the last epoch's confusion matrix, for the trackers' copy of its plot
         self.upload_weights, self.closed = cfg.log.weights, False
-        self.tb = SummaryWriter(str(run_dir), purge_step=None if done is None else done[1] + 1) if (
-            "tensorboard" in cfg.log.to) else None
+        self.tb = None
+        if "tensorboard" in cfg.log.to:
+            from torch.utils.tensorboard import SummaryWriter  # here: only rank 0 pays for importing TensorBoard
+
+            self.tb = SummaryWriter(str(run_dir), purge_step=None if done is None else done[1] + 1)
         if self.tb and done is None:
             self.tb.add_text("recipe", textwrap.indent(OmegaConf.to_yaml(cfg), "    "))  # indented: shown as code
             self.write_hparams(cfg)
@@ -123,7 +125,7 @@ class RunLogger:
     def log_epoch(self, metrics, global_step):
         """Record an epoch that ended at global_step: metrics has every name in its columns (None for a metric not
         computed) and evaluate()'s 'confusion' and 'wrong', or evaluate_multilabel()'s 'per_class', 'probs' and
-        'targets'. The matplotlib plots are drawn only within PLOT_SHARE of the run's time."""
+        'targets'. The matplotlib plots (log.plots) are drawn only within PLOT_SHARE of the run's time."""
         new = not self.csv_path.exists()
         with open(self.csv_path, "a", newline="") as f:
             writer = csv.writer(f)
@@ -134,10 +136,11 @@ class RunLogger:
         self.track(lambda t: t.log(scalars, global_step))  # results.csv's columns, epoch too, as they are named
         if self.tb:
             self.log_tensorboard(metrics, scalars, global_step)
-        self.unplotted = (global_step, metrics.get("confusion"))  # None with very many classes, or multi-label
         self.confusion = metrics.get("confusion")
-        if self.plots.due():
-            self.draw_plots()
+        if self.plots:
+            self.unplotted = (global_step, metrics.get("confusion"))  # None with very many classes, or multi-label
+            if self.plots.due():
+                self.draw_plots()
         self.flush()
 
     def log_tensorboard(self, metrics, scalars, global_step):
@@ -199,10 +202,10 @@ class RunLogger:
                 *filter(None, (t.browse() for t in self.trackers))]
 
     def artifacts(self, status):
-        """The files the trackers keep: results.png, the last epoch's confusion matrix (confusion_matrix.png, drawn
-        for them), recipe.yaml and, with log.weights, best.pt of a finished run."""
-        files = [self.run_dir / name for name in ("results.png", "recipe.yaml")]
-        if self.confusion is not None:
+        """The files the trackers keep: with log.plots, results.png and the last epoch's confusion matrix
+        (confusion_matrix.png, drawn for them); recipe.yaml and, with log.weights, best.pt of a finished run."""
+        files = [*([self.run_dir / "results.png"] if self.plots else []), self.run_dir / "recipe.yaml"]
+        if self.confusion is not None and self.plots:
             save_figure(confusion_figure(self.confusion, self.classes), self.run_dir / "confusion_matrix.png")
             files.append(self.run_dir / "confusion_matrix.png")
         best = self.run_dir / "weights" / "best.pt"

@@ -195,9 +195,10 @@ def next_steps(run_dir, state, seconds, held_out, started_at=(0, 0), viewers=Non
     resumed = f", resumed at epoch {started_at[0] + 1}, step {started_at[1]}; {state.epoch} in all" if any(
         started_at) else ""
     source = shlex.quote(str(short_path(held_out))) if held_out else "path/to/new_images"
+    plots = "results.png, " if (run_dir / "results.png").exists() else ""  # not with log.plots=false
     events = "TensorBoard events, " if any(viewer.startswith("tensorboard ") for viewer in viewers) else ""
     return (f"\n{epochs} epoch{'s' * (epochs != 1)} in {seconds:.1f}s{resumed}. Results saved to "
-            f"{colorstr('bold', str(run_dir))} (results.csv, results.png, {events}weights/)\n"
+            f"{colorstr('bold', str(run_dir))} (results.csv, {plots}{events}weights/)\n"
             f"Best {BEST_METRIC_NAMES[state.best_metric]} {state.best_score:.2%} at epoch {state.best_epoch}: {best}\n"
             f"Next:\n"
             + "".join(f"  {viewer}\n" for viewer in viewers) +
