@@ -22,12 +22,16 @@ import tarfile
 import zlib
 from pathlib import Path
 
+from utils.general import DatasetError, UsageError, after_imports, before_imports, short_path
+
+if __name__ == "__main__":  # first: no garbage collection while torch imports (data.shard_sets')
+    before_imports()
+
 from PIL import Image
 from tqdm import tqdm
 
 from data.shard_sets import IMAGE_EXTENSIONS, INDEX_KIND, KIND, TOP
 from data.verify import UNREADABLE, decode, unreadable_reason
-from utils.general import DatasetError, UsageError, short_path
 from utils.once import atomic_write
 
 
@@ -142,4 +146,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    after_imports()
     main()

@@ -31,6 +31,11 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from utils.general import DatasetError, UsageError, after_imports, before_imports, cpu_count, short_path
+
+if __name__ == "__main__":  # first: no garbage collection while torch imports (data.jpeg_cache's)
+    before_imports()
+
 import numpy as np
 from PIL import Image
 from tqdm import tqdm
@@ -41,7 +46,6 @@ from data.shard_sets import INDEX_KIND, KIND, TOP
 from data.sources import train_val_datasets
 from data.verify import UNREADABLE, decode, unreadable_reason
 from utils.distributed import exit_on_error
-from utils.general import DatasetError, UsageError, cpu_count, short_path
 from utils.once import atomic_write
 
 # The formats validation images are stored in as they are, by the extension the reader knows them by (IMAGE_EXTENSIONS)
@@ -232,4 +236,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    after_imports()
     main()

@@ -175,9 +175,9 @@ exec(code, {"__name__": "__main__", "__file__": path})
 """
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", [*(f"{s}.py" for s in SCRIPTS), "data/shards.py", "data/shard_index.py"])
 def test_a_script_run_as_a_command_collects_no_garbage_while_importing_then_freezes_its_imports(script):
-    result = subprocess.run([sys.executable, "-c", PROBE, f"{script}.py"], cwd=ROOT, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", PROBE, script], cwd=ROOT, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0 and "usage:" in result.stdout, result.stderr[-2000:]
     counts = re.search(r"collections importing torch before the freeze: (\d+), frozen: (\d+), collecting: (\w+)",
