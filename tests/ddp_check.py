@@ -16,13 +16,18 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from omegaconf import OmegaConf
-from torch.utils.data import DataLoader, TensorDataset
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from utils.general import after_imports, before_imports  # noqa: E402
+
+if __name__ == "__main__":
+    before_imports()  # as the project's scripts start
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from data.cache import RamImages  # noqa: E402
 from data.datasets import build_dataloader  # noqa: E402
@@ -203,4 +208,5 @@ def main(out, n_val, epochs):
 
 
 if __name__ == "__main__":
+    after_imports()
     main(sys.argv[1], *map(int, sys.argv[2:]))

@@ -16,6 +16,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from utils.general import after_imports, before_imports  # noqa: E402
+
+if __name__ == "__main__":
+    before_imports()  # as the project's scripts start
+
 import torch  # noqa: E402
 
 import data.jpeg_cache  # noqa: E402
@@ -95,4 +100,5 @@ def main(root, cache, fault=None):
 
 
 if __name__ == "__main__":
+    after_imports()
     main(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:])

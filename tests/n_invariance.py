@@ -31,7 +31,7 @@ from utils.torch_utils import select_device  # noqa: E402
 # and flips from per-sample seeds on every path. fp32 and contiguous, as the recipe says, but for the 'bf16' path.
 RECIPE = ["train.epochs=1", "train.batch_size=12", "model.width=4", "model.depth=2", "model.norm=group",
           "model.dropout=0", "data.img_size=8", "data.scale=[0.3,1.0]", "data.hflip=0.5", "data.workers=0",
-          "train.log_every_steps=1", "train.precision=fp32", "train.channels_last=false"]
+          "train.log_every_steps=1", "train.precision=fp32", "train.channels_last=false", "log.plots=false"]
 # Multi-label: BCE with positive weights and smoothing, MixUp of label vectors (pairs on one process)
 MULTILABEL = ["data.multilabel=true", "train.class_weights=balanced", "train.label_smoothing=0.1",
               "data.mixup_alpha=0.4"]

@@ -18,9 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from utils.general import LOCAL_RANK, RANK, after_imports, before_imports  # noqa: E402
+
+before_imports()  # as train.py starts as a command
+
 import models.pretrained  # noqa: E402
 import train  # noqa: E402
-from utils.general import LOCAL_RANK, RANK  # noqa: E402
 
 record, source = Path(sys.argv[1]), sys.argv[2]
 
@@ -43,4 +46,5 @@ def read(path, *args, **kwargs):
 load_checkpoint = models.pretrained.load_checkpoint
 models.pretrained.fetch_url = download
 models.pretrained.load_checkpoint = read
+after_imports()
 train.main(sys.argv[4:])

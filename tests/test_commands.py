@@ -135,10 +135,11 @@ STAND_INS = [("data.name=path/to/shards", "data.name=my_shards"), ("path/to/my_l
 # Appended, so that they win over the recipe's and the command's own values: a new run trains one short epoch of
 # the tiny data at 32 px (the recipe's model, except ResNet-50: a small convnet, its EMA updated every step; not 16,
 # where a ResNet's layer4 strides over 1x1 maps, whose bf16 weight gradient a CPU's oneDNN gets wrong:
-# docs/techniques.md); a resumed run adds an epoch.
-NEW_RUN = "data.name=my_data train.epochs=1 train.batch_size=4 data.img_size=32 data.val_img_size=32 data.workers=0"
+# docs/techniques.md), drawing no plots but in the run whose output the README shows; a resumed run adds an epoch.
+NEW_RUN = ("data.name=my_data train.epochs=1 train.batch_size=4 data.img_size=32 data.val_img_size=32 data.workers=0 "
+           "log.plots=false")
 SMALLER_MODEL = {"imagenet-resnet50.yaml": "model.name=convnet model.width=4 train.ema_steps=1"}
-RESUMED = "train.epochs=3 data.workers=0"
+RESUMED = "train.epochs=3 data.workers=0 log.plots=false"
 
 
 def bash_block_commands(block):
@@ -263,6 +264,8 @@ def shortened(command):
         new_run = NEW_RUN.replace("data.name=my_data", "") if "data.name=my_shards" in command else NEW_RUN
         if load_recipe(recipe[1]).data.multilabel:  # a CSV root with a labels column
             new_run = new_run.replace("data.name=my_data", "data.name=my_labels")
+        if command in documented_outputs():  # its results.png is in the line the README shows
+            new_run = new_run.replace(" log.plots=false", "")
         return " ".join(filter(None, [command, new_run, SMALLER_MODEL.get(recipe[1])]))
     return f"{command} {RESUMED}" if "train.py --resume" in command else command
 

@@ -110,7 +110,7 @@ def test_balanced_top1_is_the_mean_recall_of_the_classes_in_val():
 # fp32: the runs at 1 and 2 processes are compared to fp32's rounding
 RECIPE = ["--recipe", "cls.yaml", "train.epochs=2", "train.batch_size=6", "model.width=4", "model.depth=2",
           "model.norm=group", "model.dropout=0", "data.scale=[0.3,1.0]", "data.hflip=0.5", "data.workers=0",
-          "train.precision=fp32"]
+          "train.precision=fp32", "log.plots=false"]
 BALANCED = ["data.sampler=balanced", "train.class_weights=balanced", "train.best_metric=balanced_top1"]
 
 

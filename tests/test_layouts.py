@@ -31,7 +31,7 @@ from utils.checkpoint import load_checkpoint
 from utils.general import DatasetError
 
 CLASSES = {"crème brûlée": 0, "hot dog": 160}  # a name with accents, one with a space; their pixels' lowest value
-TRAIN_ARGS = ["--recipe", "cls.yaml", "train.epochs=2", "train.batch_size=4", "model.width=4"]
+TRAIN_ARGS = ["--recipe", "cls.yaml", "train.epochs=2", "train.batch_size=4", "model.width=4", "log.plots=false"]
 
 
 def write_images(folder, name, n, start=0, seed=0):

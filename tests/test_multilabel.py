@@ -433,7 +433,7 @@ def check_against_sklearn(folder, probs, targets, thresholds):
 
 @pytest.mark.slow
 def test_val_py_reproduces_training_at_train_threshold_and_counts_each_image_once_at_two_processes(resumed, tmp_path,
-                                                                                                    log):
+                                                                                                    log, capsys):
     data, run, _ = resumed
     weights = run / "weights" / "last.pt"
     ckpt = load_checkpoint(weights)
@@ -485,9 +485,8 @@ def test_val_py_reproduces_training_at_train_threshold_and_counts_each_image_onc
     assert [r[:2] for r in shared] == [r[:2] for r in table]
     assert np.allclose(np.array([r[2:] for r in shared], float), np.array([r[2:] for r in table], float), atol=1e-6)
     single = make_image_folder(tmp_path / "single", {"val": {"blue": 1}})
-    result = run_python("val.py", "--weights", weights, "--data", single)
-    assert result.returncode == 2 and f"data.multilabel=true, but --data {single} has one label per image" in \
-        result.stderr
+    assert f"data.multilabel=true, but --data {single} has one label per image" in \
+        fails(["--weights", weights, "--data", single], capsys, val)
 
 
 @pytest.mark.slow
@@ -558,7 +557,6 @@ def test_torchrun_trains_multidigits_to_a_high_map_that_val_py_reproduces(tmp_pa
     assert result.returncode == 0, result.stderr[-3000:]
     _, rows = read_results(tmp_path / "exp")
     assert float(rows[-1]["val/map"]) > 0.98  # about 0.997 after 3 epochs, and 0.999 after the recipe's 8
-    result = run_python("val.py", "--weights", tmp_path / "exp" / "weights" / "best.pt", "--project", tmp_path / "v")
-    assert result.returncode == 0, result.stderr[-3000:]
+    val.main(["--weights", str(tmp_path / "exp" / "weights" / "best.pt"), "--project", str(tmp_path / "v")])
     saved = json.loads((tmp_path / "v" / "exp" / "metrics.json").read_text())
     assert f"{saved['map']:.6g}" == rows[-1]["val/map"] and saved["images"] == 1000

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, clean_env, make_image_folder, run_torchrun
+from conftest import ROOT, TORCHRUN, clean_env, make_image_folder, run_torchrun
 from test_resume import free_port
 
 HOST = socket.gethostname()
@@ -26,7 +26,7 @@ def two_nodes(tmp_path, args, node1_args, node1_fault=None, nproc=2, timeout=240
     for node in (0, 1):
         script = ["tests/faults.py", node1_fault, "train.py"] if node and node1_fault else ["train.py"]
         nodes.append(subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+            [sys.executable, "-c", TORCHRUN, "--nnodes=2", f"--node_rank={node}",
              f"--nproc_per_node={nproc}", "--master-addr=127.0.0.1", f"--master-port={port}", *script, *args,
              *(node1_args if node else []), f"project={tmp_path / 'runs'}"], cwd=ROOT, env=clean_env(),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

@@ -88,7 +88,7 @@ def standin_overrides(name, tmp_path, monkeypatch, request, runs):
         torch.save(torchvision.models.get_model(cfg.model.name).state_dict(), path)
     if cfg.model.freeze_epochs:
         overrides = [*overrides, "model.freeze_epochs=0"]  # two steps in the frozen epochs would move the head alone
-    return [*overrides, "train.epochs=1", "data.workers=0", f"project={runs}"]
+    return [*overrides, "train.epochs=1", "data.workers=0", "log.plots=false", f"project={runs}"]
 
 
 @pytest.mark.slow

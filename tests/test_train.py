@@ -441,6 +441,28 @@ def test_early_stopping_after_patience_epochs_without_a_better_top1(image_folder
     assert load_checkpoint(tmp_path / "exp" / "weights" / "best.pt")["epoch"] == best_epoch
 
 
+def test_a_run_with_log_plots_false_draws_nothing_and_records_every_figure(image_folder, tmp_path, log):
+    root = image_folder({"train": {"a": 4, "b": 4}, "val": {"a": 2, "b": 2}}, size=8)
+    train.main(["--recipe", "cls.yaml", f"data.name={root}", "train.epochs=2", "train.batch_size=4", "model.width=4",
+                "log.plots=false", f"project={tmp_path}"])
+    run = tmp_path / "exp"
+    assert [r["epoch"] for r in read_results(run)[1]] == ["1", "2"]
+    assert not (run / "results.png").exists()
+    events = EventAccumulator(str(run), size_guidance={"scalars": 0}).Reload()
+    assert [e.step for e in events.Scalars("val/top1")] == [2, 4]
+    assert set(events.Tags()["images"]) == {"train/batch", "val/misclassified"}  # no val/confusion_matrix
+    assert f"Results saved to {run} (results.csv, TensorBoard events, weights/)" in log.text
+
+
+def test_without_plots_the_trackers_are_given_no_figure_not_even_an_earlier_launchs(tmp_path):
+    logger = RunLogger(tmp_path, load_recipe("cls.yaml", ["log.plots=false", "log.to=[]"]), ["a", "b"])
+    (tmp_path / "results.png").write_bytes(b"drawn by a launch with log.plots=true")
+    (tmp_path / "recipe.yaml").write_text("model: {}\n")
+    logger.log_epoch({**dict.fromkeys(COLUMNS, 0.5), "epoch": 1, "confusion": torch.eye(2), "wrong": []}, 10)
+    assert logger.artifacts("finished") == [tmp_path / "recipe.yaml"]
+    assert not (tmp_path / "confusion_matrix.png").exists()
+
+
 def test_an_unknown_model_name_fails_with_the_recipe_before_any_work(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         train.main(["--recipe", "cls.yaml", "model.name=resnt18", f"project={tmp_path / 'runs'}"])
