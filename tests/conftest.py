@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 # The suite runs more threads than cores (two xdist workers, each starting train.py, torchrun's ranks, DataLoader
-# workers, on 2 cores), and OpenMP's threads that spin while they wait for work take the cores from the processes
-# that have it: 2 and 3 short runs at once measured 2-6x slower spinning than waiting passively. Set before torch
-# loads OpenMP, for this process and every one it starts; training alone on its cores spins (faster there).
+# workers), and OpenMP's threads that spin while they wait for work take the cores from the threads that have work:
+# 2 to 4 short runs at once on 2 cores took up to 6x as long spinning, the suite 8% longer. Set before torch loads
+# OpenMP, for this process and every one it starts; a run alone on its cores spins (faster there).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
