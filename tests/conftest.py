@@ -119,10 +119,10 @@ def run_python(*args, cwd=ROOT, timeout=600):
                           text=True, timeout=timeout, start_new_session=True)
 
 
-# torchrun's own main(), as its command calls it, importing torch without garbage collection as the project's
-# scripts do (utils/general.before_imports): half a second of CPU less for each of the suite's many launches.
-TORCHRUN = ("import gc; gc.disable(); from torch.distributed.run import main; gc.freeze(); gc.enable(); "
-            "main()")
+# torchrun's own main(), as its command calls it, started as the project's scripts start (before_imports,
+# after_imports): half a second of CPU less for each of the suite's many launches.
+TORCHRUN = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from utils.general import after_imports, before_imports; "
+            "before_imports(); from torch.distributed.run import main; after_imports(); main()")
 
 
 def run_torchrun(*args, nproc=2, cwd=ROOT, timeout=600, launcher=("--standalone",)):
