@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from data.shard_sets import IMAGE_EXTENSIONS, INDEX_KIND, KIND, TOP
 from data.verify import UNREADABLE, decode, unreadable_reason
+from utils.distributed import exit_on_error
 from utils.once import atomic_write
 
 
@@ -140,7 +141,7 @@ def main(argv=None):
     try:
         counts, shards = index_shards(args.src)
     except UsageError as e:
-        sys.exit(f"python -m data.shard_index: error: {e}")
+        exit_on_error("python -m data.shard_index", e)
     print(f"{short_path(args.src)}: {counts['train']} train images in {shards['train']} shard(s), {counts['val']} "
           f"val images in {shards['val']} shard(s) indexed; train on it with data.name={short_path(args.src)}")
 

@@ -211,6 +211,9 @@ def write_shard_set(args):
     if not hasattr(train_set, "samples"):
         raise UsageError(f"{args.src}: its images are not files (CIFAR's are one pickle); shards are written from "
                          f"image files")
+    if getattr(train_set, "multilabel", False):
+        raise UsageError(f"{args.src}: lists several labels per image (a labels column); a shard set holds one label "
+                         f"per image: train on the root as it is (train.py --recipe multilabel.yaml with its path)")
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_write(out) as tmp:  # renamed over out when complete: out is missing or empty, checked above
         counts = {split: write_split(samples, tmp / split, split, split == "train", args.shard_size, args.max_side)

@@ -415,6 +415,21 @@ def image_bytes(kind, value):
     return buffer.getvalue()
 
 
+def test_the_writer_refuses_a_root_with_several_labels_per_image_in_one_line(tmp_path, capfd):
+    from data import shards
+    src = tmp_path / "data"
+    for split in ("train", "val"):
+        png_file(src / "img" / f"{split}.png")
+        (src / f"{split}.csv").write_text(f"path,labels\nimg/{split}.png,cat|dog\n")
+    with pytest.raises(SystemExit) as exit_:
+        shards.main([str(src), str(tmp_path / "out")])
+    assert exit_.value.code == 2
+    assert capfd.readouterr().err.splitlines()[-1] == (
+        f"python -m data.shards: error: {src}: lists several labels per image (a labels column); a shard set holds one "
+        f"label per image: train on the root as it is (train.py --recipe multilabel.yaml with its path)")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_shards_another_tool_wrote_are_indexed_in_place_and_train(tmp_path):
     src = tmp_path / "webdataset"
@@ -442,7 +457,7 @@ def test_shards_another_tool_wrote_are_indexed_in_place_and_train(tmp_path):
     webdataset_tar(tmp_path / "png" / "train" / "a.tar", [("x", image_bytes("PNG", 9), "0")])
     webdataset_tar(tmp_path / "png" / "val" / "b.tar", [("y", image_bytes("PNG", 9), "0")])
     result = run_python("-m", "data.shard_index", tmp_path / "png")
-    assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == (
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == (
         f"python -m data.shard_index: error: {tmp_path}/png/train/a.tar: sample x is a PNG image (RGB): training "
         f"images of a shard set are upright RGB or grey JPEGs; write the set from its images with "
         f"`python -m data.shards`")
