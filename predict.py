@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS
 from tqdm import tqdm
 
+from data.layouts import hidden
 from data.transforms import normalizer, val_transforms
 from data.verify import UNREADABLE, decode, unreadable_reason
 from models import model_from_checkpoint
@@ -112,14 +113,16 @@ def collate(samples):
 
 
 def list_images(source):
-    """The image files source names: one file, a folder's image files (recursively) or a glob's matches; sorted."""
+    """The image files source names: one file, a folder's image files (recursively, hidden ones passed over as in
+    training) or a glob's matches (which pass them over too); sorted."""
     path = Path(source)
     if path.is_file():
         return [path]
     if not path.exists() and not glob.has_magic(source):
         raise UsageError(f"--source {source}: no such file or folder")
     if path.is_dir():
-        files = (p for p in path.rglob("*") if p.suffix.lower() in IMG_EXTENSIONS and p.is_file())
+        files = (p for p in path.rglob("*")
+                 if p.suffix.lower() in IMG_EXTENSIONS and p.is_file() and not hidden(p, path))
     else:
         files = (Path(p) for p in glob.glob(source, recursive=True) if Path(p).is_file())
     paths = sorted(files)

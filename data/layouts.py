@@ -33,6 +33,12 @@ SPLIT_FILE = "split.json"  # in the run directory: data.val_split's file lists
 LISTS = ("train", "val")  # the file lists split.json holds
 
 
+def hidden(path, root):
+    """Whether path, under root, is or lies in a hidden file or folder (its name starts with '.': Jupyter's
+    .ipynb_checkpoints, macOS's ._ copies, .git): never a class or an image, as in Hugging Face's image folders."""
+    return any(part.startswith(".") for part in Path(path).relative_to(root).parts)
+
+
 @dataclass
 class HoldOut:
     """data.val_split for a root of class folders: the share of each class held out for val, the seed that picks
@@ -217,7 +223,8 @@ def find_layout(root, val_split=None):
     try:
         csvs = [f"{name}.csv" for name in SPLIT_NAMES if (root / f"{name}.csv").is_file()]
         folders = [f"{name}/" for name in SPLIT_NAMES if (root / name).is_dir()]
-        others = not (csvs or folders) and any(entry.is_dir() for entry in os.scandir(root))
+        others = not (csvs or folders) and any(entry.is_dir() and not hidden(entry.name, "")
+                                               for entry in os.scandir(root))
     except OSError as e:
         raise DatasetError(f"{root}: cannot be listed ({e.strerror or e})") from None
     if not (csvs or folders or others):

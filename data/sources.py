@@ -15,8 +15,8 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 import utils.general
 from data.cifar import CIFAR, cifar_dataset
 from data.layouts import (CLASS_FOLDERS, CSV_FILES, SPLIT_FILE, VAL_NAMES, HoldOut, Listing, csv_dataset, csv_datasets,
-                          either, find_layout, first_present, listed_alike, listed_split, read_split, set_samples,
-                          split_files, training_bar)
+                          either, find_layout, first_present, hidden, listed_alike, listed_split, read_split,
+                          set_samples, split_files, training_bar)
 from data.multilabel import write_multidigits
 from data.shard_sets import eval_shards
 from data.verify import UNREADABLE, decode, unreadable_images, unreadable_reason
@@ -93,14 +93,28 @@ def load_rgb(path):
 class ListedFolder(ImageFolder):
     """torchvision's ImageFolder, its samples a Listing (data/layouts.py) listed one class folder at a time by
     torchvision's own make_dataset: never a list of every image's (path, class), which at ImageNet's size is some
-    200 MB of Python objects that the allocator keeps, in part, once freed."""
+    200 MB of Python objects that the allocator keeps, in part, once freed. Hidden files and folders are passed over
+    (data/layouts.hidden), and left_out counts the other files that are not images by their extension."""
 
-    @staticmethod
-    def make_dataset(directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
+    def find_classes(self, directory):
+        classes = [name for name in super().find_classes(directory)[0] if not hidden(name, "")]
+        if not classes:
+            raise FileNotFoundError(f"no class folders in {directory}")
+        return classes, {name: i for i, name in enumerate(classes)}
+
+    def make_dataset(self, directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
+        self.left_out = Counter()  # extension: files
+
+        def is_image(path):
+            if hidden(path, directory):
+                return False
+            if not path.lower().endswith(IMG_EXTENSIONS):
+                self.left_out[Path(path).suffix.lower() or "no extension"] += 1
+                return False
+            return True
         listing = Listing.joined(directory, [
-            Listing.of(directory, ImageFolder.make_dataset(directory, {name: class_to_idx[name]}, extensions,
-                                                           is_valid_file, True))
-            for name in sorted(class_to_idx)])  # make_dataset's order
+            Listing.of(directory, ImageFolder.make_dataset(directory, {name: index}, None, is_image, True))
+            for name, index in sorted(class_to_idx.items())])  # make_dataset's order
         if not allow_empty and not len(listing):
             raise FileNotFoundError(f"Found no valid file in {directory}")
         return listing
@@ -108,7 +122,7 @@ class ListedFolder(ImageFolder):
 
 def image_folder(folder, transform):
     """torchvision ImageFolder read with load_rgb, its samples a Listing (ListedFolder), with errors that name the
-    folder and what it must hold."""
+    folder and what it must hold; rank 0 says how many files it left out for their extension."""
     try:
         dataset = ListedFolder(str(folder), transform=transform, loader=load_rgb, allow_empty=True)
     except FileNotFoundError:  # torchvision's find_classes: no class folders
@@ -121,6 +135,10 @@ def image_folder(folder, transform):
     if empty:
         raise DatasetError(f"{', '.join(empty)}: no image files ({', '.join(IMG_EXTENSIONS)}); add images to each "
                            f"class folder or remove the empty one(s)")
+    if dataset.left_out:
+        kinds = ", ".join(f"{n} {ext}" for ext, n in dataset.left_out.most_common())
+        LOGGER.info(f"{colorstr('data:')} {short_path(folder)}: left out {dataset.left_out.total()} file(s) that are "
+                    f"not images by their extension ({kinds}); images are {', '.join(IMG_EXTENSIONS)}")
     set_samples(dataset, dataset.samples)  # its targets and imgs read from the Listing too
     return dataset
 

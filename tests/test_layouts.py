@@ -28,7 +28,7 @@ from data.sources import build_datasets, image_folder, train_val_datasets
 from data.layouts import HoldOut, Listing, split_files
 from data.verify import decode
 from utils.checkpoint import load_checkpoint
-from utils.general import DatasetError
+from utils.general import DatasetError, colorstr
 
 CLASSES = {"crème brûlée": 0, "hot dog": 160}  # a name with accents, one with a space; their pixels' lowest value
 TRAIN_ARGS = ["--recipe", "cls.yaml", "train.epochs=2", "train.batch_size=4", "model.width=4", "log.plots=false"]
@@ -470,6 +470,31 @@ def test_every_layout_holds_its_samples_as_arrays_that_read_as_the_list_of_tuple
     assert len(read[0]) == len(read[1]) == -(-len(expected) // 4)
     for (images, targets), (list_images, list_targets) in zip(*read):
         assert torch.equal(images, list_images) and torch.equal(targets, list_targets)
+
+
+def test_hidden_files_and_folders_are_never_classes_or_images_and_other_files_left_out_are_counted(tmp_path,
+                                                                                                   monkeypatch):
+    # Jupyter's .ipynb_checkpoints, macOS's ._ copies and a .git folder, in a split, in a class and at the root of
+    # class folders; a GIF and a text file are left out for their extension, and said once.
+    import data.sources
+    said = []
+    monkeypatch.setattr(data.sources.LOGGER, "info", said.append)
+    root = split_folders(tmp_path / "data", "val")
+    first = root / "train" / "crème brûlée"
+    for folder in (root / "train" / ".ipynb_checkpoints", first / ".ipynb_checkpoints", root / "val" / ".git"):
+        folder.mkdir()
+        shutil.copy(next(first.iterdir()), folder / "0-checkpoint.png")
+    (first / "._0.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
+    Image.new("RGB", (8, 8)).save(first / "anim.gif")
+    (first / "notes.txt").write_text("not an image")
+    train_set, val_set = build_datasets(root, None, None)
+    assert train_set.classes == val_set.classes == list(CLASSES) and (len(train_set), len(val_set)) == (12, 6)
+    assert said[0] == (f"{colorstr('data:')} {root / 'train'}: left out 2 file(s) that are not images by their "
+                       f"extension (1 .gif, 1 .txt); images are .jpg, .jpeg, .png, .ppm, .bmp, .pgm, .tif, .tiff, .webp")
+    assert predict.list_images(str(first)) == sorted(first.glob("[!.]*.png"))
+    (tmp_path / "only_hidden" / ".git" / "objects").mkdir(parents=True)
+    with pytest.raises(DatasetError, match="no train/ folder, train.csv or class folders"):
+        build_datasets(tmp_path / "only_hidden", None, None, hold_out=HoldOut(0.2))
 
 
 def test_a_class_folder_listing_is_torchvisions_own_held_in_narrow_arrays_and_read_as_int64(tmp_path):
