@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 from utils.general import (LOGGER, RANK, WORLD_SIZE, UsageError, after_imports, before_imports, colorstr,
-                           format_table, increment_path, save_probabilities, short_path)
+                           format_table, in_flags, increment_path, save_probabilities, short_path)
 
 if __name__ == "__main__":  # no collection during the imports below (utils/general.before_imports)
     before_imports()
@@ -46,7 +46,7 @@ from utils.torch_utils import select_device, set_device, set_threads
 from utils.tta import TTA_NAME, flip_warning
 
 MAX_CLASSES_SHOWN = 50  # more classes are saved to per_class.csv but not printed
-FLAGS = {"data.name": "--data"}  # the recipe key the data code's lines name, as val.py takes it
+FLAGS = {"data.name": "--data", "data.skip_corrupt": "--skip-corrupt"}  # recipe keys the data code's lines name
 
 
 def parse_args(argv=None):
@@ -59,6 +59,9 @@ def parse_args(argv=None):
     parser.add_argument("--workers", type=int, help="DataLoader workers per process (default: the recipe's)")
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="autocast (default: the recipe's)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda (GPU LOCAL_RANK), or GPU N as N or cuda:N")
+    parser.add_argument("--skip-corrupt", action="store_true",
+                        help="check every image once first and leave the unreadable out, each named (default: as the "
+                             "run did, data.skip_corrupt)")
     parser.add_argument("--tta", action="store_true",
                         help="test-time augmentation: the mean softmax of each image and its horizontal flip")
     parser.add_argument("--threshold", type=threshold_option,
@@ -108,10 +111,10 @@ def validate(args):
     dataset = named_eval_dataset(args.data or cfg.data.name, args.split, val_transforms(cfg.data), classes,
                                  args.weights, cfg.data.csv_allow_outside, cfg.data.cache_dir, cfg.data.shard_hosts)
     check_task(dataset, cfg.data.multilabel, args.data or cfg.data.name)
-    if cfg.data.skip_corrupt and hasattr(dataset, "samples"):  # as training did: its recorded top-1 left them out
+    if (cfg.data.skip_corrupt or args.skip_corrupt) and hasattr(dataset, "samples"):  # a run's top-1 left them out
         skipped = skip_unreadable(dataset)
         if skipped and RANK == 0:
-            LOGGER.warning(skipped_message(skipped))
+            LOGGER.warning(in_flags(skipped_message(skipped), FLAGS))
     batch_size = cfg.train.batch_size if args.batch_size is None else args.batch_size
     if batch_size < 1:
         raise UsageError(f"--batch-size {batch_size}: must be >= 1")

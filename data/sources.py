@@ -85,9 +85,8 @@ def load_rgb(path):
     try:
         return decode(path)
     except UNREADABLE as e:
-        raise ImageError(f"{path}: unreadable image ({unreadable_reason(e)}); remove the file, or set "
-                         f"data.skip_corrupt=true to check every image before training and skip unreadable "
-                         f"ones") from None
+        raise ImageError(f"{path}: unreadable image ({unreadable_reason(e)}); remove the file, or skip unreadable "
+                         f"images with data.skip_corrupt=true (every image checked once first)") from None
 
 
 class ListedFolder(ImageFolder):

@@ -105,8 +105,8 @@ def test_train_py_stops_on_an_unreadable_image_with_one_line(image_folder, tmp_p
         assert f"{workers} worker(s)" in log.text  # one worker really loaded the images
         assert list((tmp_path / "runs").iterdir()) == []  # its run directory, with nothing saved, is removed
     errors = [line for line in stderr.splitlines() if "error" in line]
-    assert errors == [f"train.py: error: {bad}: unreadable image (image file is truncated); remove the file, or set "
-                      f"data.skip_corrupt=true to check every image before training and skip unreadable ones"]
+    assert errors == [f"train.py: error: {bad}: unreadable image (image file is truncated); remove the file, or skip "
+                      f"unreadable images with data.skip_corrupt=true (every image checked once first)"]
     assert "Traceback" not in stderr
 
 

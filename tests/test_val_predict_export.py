@@ -100,6 +100,29 @@ def test_val_names_a_class_the_checkpoint_does_not_know(best, image_folder, tmp_
 
 
 @pytest.mark.slow
+def test_val_on_data_with_an_unreadable_image_names_its_own_flag_which_leaves_the_image_out(best, tmp_path, capfd,
+                                                                                             log):
+    weights, _ = best
+    root = tmp_path / "data"
+    for digit in ("3", "7"):
+        (root / "val" / digit).mkdir(parents=True)
+        for path in sorted((VAL_DIR / digit).iterdir())[:2]:
+            shutil.copy(path, root / "val" / digit / path.name)
+    bad = root / "val" / "7" / "broken.png"
+    bad.write_bytes(b"not a png")
+    args = ["--weights", str(weights), "--data", str(root), "--project", str(tmp_path / "v")]
+    with pytest.raises(SystemExit) as exit_:
+        val.main(args)
+    assert exit_.value.code == 2
+    assert capfd.readouterr().err.splitlines()[-1] == (
+        f"val.py: error: {bad}: unreadable image (not an image format PIL can identify); remove the file, or skip "
+        f"unreadable images with --skip-corrupt (every image checked once first)")
+    metrics = val.main([*args, "--skip-corrupt"])
+    assert metrics["val/samples"] == 4
+    assert f"skipping 1 unreadable image(s) (--skip-corrupt):\n  {bad}: not an image format" in log.text
+
+
+@pytest.mark.slow
 def test_predict_agrees_with_val_on_the_val_images(best, tmp_path):
     weights, recorded = best
     rows, skipped = predict.main(["--weights", str(weights), "--source", str(VAL_DIR), "--project", str(tmp_path),
