@@ -434,9 +434,9 @@ def repeated_rows(csv_file, rows, names):
 
 
 def csv_rows(csv_file):
-    """([(line, path, label)], False) of a CSV whose header names a path and a label column (others are ignored);
-    ([(line, path, labels cell)], True) of one with a labels column instead: multi-label (a CSV with both is read by
-    its label column, as before multi-label), an empty cell meaning none."""
+    """([(line, path, label)], False) of a CSV whose header names a path and a label column (others are ignored),
+    the label without surrounding spaces; ([(line, path, labels cell)], True) of one with a labels column instead:
+    multi-label (a CSV with both is read by its label column, as before multi-label), an empty cell meaning none."""
     reader = None
     try:
         with open(csv_file, newline="", encoding="utf-8-sig") as f:  # -sig: a spreadsheet's byte-order mark
@@ -455,6 +455,8 @@ def csv_rows(csv_file):
     except OSError as e:
         raise DatasetError(f"{csv_file}: cannot be read ({e.strerror or e})") from None
     multilabel = column == "labels"
+    if not multilabel:  # a spreadsheet's 'cat ' is the class cat, as a labels cell's names are stripped
+        rows = [(line, path, label.strip() if label else label) for line, path, label in rows]
     for line, path, label in rows:
         # empty, or missing from a short row (None); a multi-label image may have no labels, but not a short row
         if not path or (not label if not multilabel else label is None):
