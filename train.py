@@ -150,7 +150,7 @@ def train(cfg, vote, dtype, run_dir=None, resume=None, check=False):
     LOGGER.info(startup_line(cfg, device, (threads, workers, workers_why), (train_set, val_set), state, dtype, steps,
                              resumed=bool(resume)))
     if check:
-        LOGGER.info(f"{colorstr('train:')} --check: the recipe, data and model are ready to train; nothing written")
+        LOGGER.info(f"{colorstr('train:')} --check: the recipe, data and model are ready to train; no run written")
         return state.best_score
     # Only now: a run that fails on its data or model leaves no directory behind.
     continuing = run_dir is not None  # resumed, or restarted by torchrun into this job's run

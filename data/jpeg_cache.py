@@ -513,8 +513,10 @@ def finish_file(source, path, tmp, form, store, work, processes):
 
 
 def write_error(path, e):
-    """The DatasetError for path's file that cannot be written (OSError e)."""
-    return DatasetError(f"data.cache=jpeg: cannot write {path} ({e.strerror or e}); set data.cache_dir to a writable "
+    """The DatasetError for path's file that cannot be written (OSError e), naming a file in the way of its folder."""
+    in_the_way = next((folder for folder in Path(path).parents if folder.exists() and not folder.is_dir()), None)
+    reason = f"{in_the_way} is a file, not a folder" if in_the_way else e.strerror or e
+    return DatasetError(f"data.cache=jpeg: cannot write {path} ({reason}); set data.cache_dir to a writable "
                         f"directory with room for it")
 
 

@@ -241,11 +241,13 @@ def test_index_rows_past_the_job_stores_value_limit_are_posted_whole():
     assert posted(store, "rows/1") == b""
 
 
-def test_an_unwritable_cache_dir_is_named_with_the_way_out(root, tmp_path):
+@pytest.mark.parametrize("under", ["file/cache", "file"])  # the OSError said 'Not a directory' and 'File exists'
+def test_an_unwritable_cache_dir_is_named_with_the_way_out(root, tmp_path, under):
     (tmp_path / "file").write_text("")
-    cfg = data_cfg(img_size=16, cache="jpeg", cache_dir=str(tmp_path / "file" / "cache"))
-    with pytest.raises(DatasetError, match=rf"data.cache=jpeg: cannot write {tmp_path}/file/cache/\S+\.jpegcache "
-                                           r"\(Not a directory\); set data.cache_dir to a writable directory"):
+    cfg = data_cfg(img_size=16, cache="jpeg", cache_dir=str(tmp_path / under))
+    with pytest.raises(DatasetError, match=rf"data.cache=jpeg: cannot write {tmp_path}/{under}/\S+\.jpegcache "
+                                           rf"\({tmp_path}/file is a file, not a folder\); set data.cache_dir to a "
+                                           r"writable directory"):
         jpeg_sets(root, cfg)
 
 

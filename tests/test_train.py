@@ -266,7 +266,7 @@ def test_missing_dataset_exits_with_a_clear_error(tmp_path, capsys):
 def test_check_builds_the_data_and_model_then_exits_writing_no_run(tmp_path, caplog):
     caplog.set_level("INFO")
     assert train.main(["--recipe", "cls.yaml", "--check", f"project={tmp_path / 'runs'}"]) == -1.0
-    assert "--check: the recipe, data and model are ready to train; nothing written" in caplog.text
+    assert "--check: the recipe, data and model are ready to train; no run written" in caplog.text
     assert "1437 train / 360 val images" in caplog.text and not (tmp_path / "runs").exists()
 
 
