@@ -22,11 +22,22 @@ SHARE_ONE_GPU = os.getenv("SHARE_ONE_GPU_FOR_TESTS") == "1"
 RUN_ID = os.getenv("TORCHELASTIC_RUN_ID")  # the torchrun job (--rdzv-id; with --standalone, one per launch)
 
 
+class ConsoleHandler(logging.StreamHandler):
+    """logging's StreamHandler, which goes on into /dev/null once the reader of its stream is gone
+    (`predict.py ... | head -3`): the run finishes and saves its files, without a 'Logging error' per line."""
+
+    def handleError(self, record):
+        if isinstance(sys.exc_info()[1], BrokenPipeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())  # also for the interpreter's last flush
+            return
+        super().handleError(record)
+
+
 def set_logging(name="cls"):
     """Return a logger that prints plain messages on rank 0 and only warnings elsewhere."""
     logger = logging.getLogger(name)
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stdout)
+        handler = ConsoleHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
