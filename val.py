@@ -110,7 +110,7 @@ def validate(args):
     _, workers, _ = set_threads(cfg.data.workers if args.workers is None else args.workers, device_type=device.type)
     dataset = named_eval_dataset(args.data or cfg.data.name, args.split, val_transforms(cfg.data), classes,
                                  args.weights, cfg.data.csv_allow_outside, cfg.data.cache_dir, cfg.data.shard_hosts)
-    check_task(dataset, cfg.data.multilabel, args.data or cfg.data.name)
+    check_task(dataset, cfg.data.multilabel, args.data or cfg.data.name, weights=args.weights)
     if (cfg.data.skip_corrupt or args.skip_corrupt) and hasattr(dataset, "samples"):  # a run's top-1 left them out
         skipped = skip_unreadable(dataset)
         if skipped and RANK == 0:

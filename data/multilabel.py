@@ -45,10 +45,15 @@ def positive_weights(dataset):
     return torch.where((positives > 0) & (negatives > 0), negatives / positives.clamp(min=1), 1.0).float()
 
 
-def check_task(train_set, multilabel, name, val_set=None):
-    """Refuse data whose kind (one label per image, or several) is not the recipe's data.multilabel, and multi-label
-    val images without a single label (no class would have an AP)."""
+def check_task(train_set, multilabel, name, val_set=None, weights=None):
+    """Refuse data whose kind (one label per image, or several) is not the recipe's data.multilabel, or that of the
+    checkpoint (weights) it evaluates, and multi-label val images without a single label (no class would have an
+    AP)."""
     is_multilabel = getattr(train_set, "multilabel", False)
+    if weights is not None and multilabel != is_multilabel:
+        kinds = ("one label per image (a label column)", "several labels per image (a labels column)")
+        raise DatasetError(f"data.name={name} lists {kinds[is_multilabel]}, but {weights} was trained on "
+                           f"{kinds[multilabel]}; evaluate it on data of that kind")
     if multilabel and not is_multilabel:
         raise DatasetError(f"data.multilabel=true, but data.name={name} has one label per image; multi-label data is "
                            f"a CSV list with a labels column (path,labels: the labels separated by spaces, or by | "

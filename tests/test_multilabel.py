@@ -485,8 +485,9 @@ def test_val_py_reproduces_training_at_train_threshold_and_counts_each_image_onc
     assert [r[:2] for r in shared] == [r[:2] for r in table]
     assert np.allclose(np.array([r[2:] for r in shared], float), np.array([r[2:] for r in table], float), atol=1e-6)
     single = make_image_folder(tmp_path / "single", {"val": {"blue": 1}})
-    assert f"data.multilabel=true, but --data {single} has one label per image" in \
-        fails(["--weights", weights, "--data", single], capsys, val)
+    assert fails(["--weights", weights, "--data", single], capsys, val).strip().endswith(
+        f"--data {single} lists one label per image (a label column), but {weights} was trained on several labels per "
+        f"image (a labels column); evaluate it on data of that kind")
 
 
 @pytest.mark.slow

@@ -366,6 +366,15 @@ def test_predict_names_a_source_that_does_not_exist(best, tmp_path, capfd):
 
 
 @pytest.mark.slow
+def test_val_refuses_data_of_the_other_kind_naming_what_the_checkpoint_was_trained_on(best, tmp_path, capfd):
+    with pytest.raises(SystemExit) as e:
+        val.main(["--weights", str(best[0]), "--data", "multidigits", "--project", str(tmp_path)])
+    assert e.value.code == 2
+    assert capfd.readouterr().err.splitlines()[-1] == (
+        f"val.py: error: --data multidigits lists several labels per image (a labels column), but {best[0]} was "
+        f"trained on one label per image (a label column); evaluate it on data of that kind")
+
+
 def test_val_names_its_data_option_where_the_data_code_says_data_name(best, tmp_path, capfd):
     with pytest.raises(SystemExit) as e:
         val.main(["--weights", str(best[0]), "--data", str(tmp_path / "nowhere"), "--project", str(tmp_path)])
