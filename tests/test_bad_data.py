@@ -84,8 +84,8 @@ def test_unreadable_image_is_named_with_its_reason_and_the_way_past_it(image_fol
     for path, reason in ((truncated, "image file is truncated"), (garbage, "not an image format PIL can identify")):
         with pytest.raises(ImageError) as e:
             train_set[samples.index(str(path))]
-        assert str(e.value) == (f"{path}: unreadable image ({reason}); remove the file, or set data.skip_corrupt=true "
-                                f"to check every image before training and skip unreadable ones")
+        assert str(e.value) == (f"{path}: unreadable image ({reason}); remove the file, or skip unreadable images "
+                                f"with data.skip_corrupt=true (every image checked once first)")
 
 
 @pytest.mark.parametrize("workers, cache", [(0, "none"), (1, "none"), (0, "ram"), (0, "jpeg")])
