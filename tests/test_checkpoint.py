@@ -35,11 +35,11 @@ def train_state(cfg, classes=2):
                             grad_scaler(torch.device("cpu"), None))
 
 
-def saved_state(state, cfg, path, classes=("a", "b")):
+def saved_state(state, cfg, path, classes=("a", "b"), at=(1, 3)):
     state.model(torch.randn(2, 3, 8, 8)).sum().backward()
     state.optimizer.step()
     state.scheduler.step()
-    state.epoch, state.step = 1, 3
+    state.epoch, state.step = at  # epochs done, and steps into the next
     save_state(state, OmegaConf.to_container(cfg), list(classes), 17, [path])
     return load_checkpoint(path)
 
@@ -104,10 +104,14 @@ def test_resume_errors_are_one_line_before_any_work(tmp_path, capsys):
     finished = load_recipe("cls.yaml", ["model.width=4", "train.epochs=1", f"data.name={tmp_path / 'gone'}"])
     last = tmp_path / "finished" / "weights" / "last.pt"
     last.parent.mkdir(parents=True)
-    saved_state(train_state(finished), finished, last)  # saved at epoch 1, step 3: after the run's one epoch
+    saved_state(train_state(finished), finished, last, at=(1, 0))  # saved after the run's one epoch
     code, err = resume(capsys, last.parent.parent)  # refused before its data, which is gone, would be read
     assert code == 2 and err == (f"train.py: error: {last}: the run has already trained all 1 epochs; to train longer, "
                                  f"resume with train.epochs=N (N > 1)\n")
+    saved_state(train_state(finished), finished, last, at=(7, 14))  # stopped in epoch 8 of a longer schedule
+    code, err = resume(capsys, last.parent.parent, "train.epochs=3")
+    assert code == 2 and err == (f"train.py: error: {last}: the run is already past train.epochs=3 (saved at epoch 8, "
+                                 f"step 14); to train longer, resume with train.epochs=N (N > 7)\n")
     torch.save({"epoch": 1}, tmp_path / "other.pt")
     code, err = resume(capsys, tmp_path / "other.pt")
     assert code == 2 and "other.pt: not a training checkpoint of train.py (missing model, optimizer" in err

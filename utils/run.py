@@ -129,8 +129,9 @@ def check_latest(path, ckpt):
 def check_unfinished(path, ckpt, epochs):
     """Refuse to resume a run that has trained all its train.epochs (as the recipe says, overrides included)."""
     if (ckpt["epoch"], ckpt["step"]) >= (epochs, 0):
-        raise SharedError(f"{path}: the run has already trained all {epochs} epochs; to train longer, resume with "
-                          f"train.epochs=N (N > {epochs})")
+        done = f"has already trained all {epochs} epochs" if (ckpt["epoch"], ckpt["step"]) == (epochs, 0) else \
+            f"is already past train.epochs={epochs} (saved {saved_at(ckpt)})"
+        raise SharedError(f"{path}: the run {done}; to train longer, resume with train.epochs=N (N > {ckpt['epoch']})")
 
 
 def saved_at(ckpt):
