@@ -18,7 +18,7 @@ import json
 import warnings
 from pathlib import Path
 
-from utils.general import LOGGER, UsageError, after_imports, before_imports, colorstr
+from utils.general import LOGGER, UsageError, after_imports, before_imports, colorstr, script
 
 if __name__ == "__main__":  # no collection during the imports below (utils/general.before_imports)
     before_imports()
@@ -100,7 +100,7 @@ def export(args):
     if cfg.train.precision != "fp32":  # the checks above compared fp32 with fp32
         LOGGER.info(f"{colorstr('export:')} the model trained and was validated in {cfg.train.precision}; exported "
                     f"models compute in fp32, which moves its logits by about {cfg.train.precision}'s rounding "
-                    f"(python val.py --weights {weights} --precision fp32 gives their figures)")
+                    f"(python {script('val.py')} --weights {weights} --precision fp32 gives their figures)")
     return results
 
 

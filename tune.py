@@ -37,7 +37,7 @@ import warnings
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from utils.general import UsageError, after_imports, before_imports, colorstr, short_path
+from utils.general import UsageError, after_imports, before_imports, colorstr, script, short_path
 
 if __name__ == "__main__":  # no collection during the imports below (utils/general.before_imports)
     before_imports()
@@ -614,7 +614,7 @@ def report(study, sweep, settings):
     if held_out := held_out_score(sweep, done[0], settings):
         print(f"held out: trial {done[0].number}'s best.pt scores {settings['metric']} {held_out[1]:.2%} on "
               f"{held_out[0]}, which chose nothing")
-    print(f"best: python train.py --recipe {short_path(sweep / 'best.yaml')}")
+    print(f"best: python {script('train.py')} --recipe {short_path(sweep / 'best.yaml')}")
 
 
 def held_out_score(sweep, trial, settings):

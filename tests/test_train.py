@@ -473,8 +473,9 @@ def test_an_unknown_model_name_fails_with_the_recipe_before_any_work(tmp_path, c
 
 @pytest.mark.slow
 def test_a_val_split_run_and_its_resume_say_what_they_trained_and_what_comes_next(tmp_path):
-    """Paths as typed (relative to where train.py runs) before and after a resume; this launch's epochs and time; a
-    predict command on new images, not on the root whose val images lie among the training ones."""
+    """Paths as typed (relative to where train.py runs, the scripts' too) before and after a resume; this launch's
+    epochs and time; a predict command on new images, not on the root whose val images lie among the training
+    ones."""
     make_image_folder(tmp_path / "data", {"": {"cat": 6, "dog": 6}}, size=16)  # class folders in the root
     short = ["data.workers=0", "train.batch_size=4"]
     first = run_python(ROOT / "train.py", "--recipe", "cls.yaml", "data.name=data", "data.val_split=0.34",
@@ -482,12 +483,14 @@ def test_a_val_split_run_and_its_resume_say_what_they_trained_and_what_comes_nex
     assert first.returncode == 0, first.stderr[-3000:]
     best = "runs/train/exp/weights/best.pt"
     assert re.search(r"\n1 epoch in [\d.]+s\. Results saved to runs/train/exp ", first.stdout), first.stdout
-    assert f"  python predict.py --weights {best} --source path/to/new_images     # a folder of new images\n" \
+    assert f"  python {ROOT / 'predict.py'} --weights {best} --source path/to/new_images     # a folder of new images\n" \
         in first.stdout
     resumed = run_python(ROOT / "train.py", "--resume", "runs/train/exp", "train.epochs=3", *short, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert re.search(r"\n2 epochs in [\d.]+s, resumed at epoch 2, step 0; 3 in all\. Results saved to runs/train/exp ",
                      resumed.stdout), resumed.stdout
-    assert f"  python val.py --weights {best}\n" in resumed.stdout
+    val_command = f"python {ROOT / 'val.py'} --weights {best}"
+    assert f"  {val_command}\n" in resumed.stdout
+    assert run_python(*val_command.split()[1:], cwd=tmp_path).returncode == 0  # works as typed where it was printed
     assert "train.epochs=3, the run was planned for 1: from here the lr follows the schedule of 3 epochs, so it " \
            "moves at once from" in resumed.stdout

@@ -4,6 +4,7 @@ import gc
 import logging
 import os
 import re
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -117,6 +118,12 @@ def in_flags(message, flags):
         return flag if value == "true" else f"{flag} {value}"
     keys = "|".join(map(re.escape, flags))
     return re.sub(rf"(?<![\w.])(?P<key>{keys})(?![\w.])(?:=(?P<value>[^\s;,)]+))?", written, message)
+
+
+def script(name):
+    """How a command this project prints names its script `name` (val.py): as a path from the current directory,
+    so that the command works as typed in the folder the user launched from, not only in the repository's."""
+    return shlex.quote(str(short_path(ROOT / name)))
 
 
 def short_path(path):

@@ -15,7 +15,7 @@ from utils.config import (Recipe, RecipeError, check_resumable, flag_as_key, key
                           load_resumed_recipe, parse_overrides, recipe_to_yaml)
 from utils.distributed import on_rank0, when_failing
 from utils.general import (LOCAL_WORLD_SIZE, LOGGER, RANK, RESTART_COUNT, RUN_ID, WORLD_SIZE, SharedError, UsageError,
-                           colorstr, increment_path, short_path)
+                           colorstr, increment_path, script, short_path)
 from utils.metrics import BEST_METRIC_NAMES
 
 
@@ -178,10 +178,10 @@ def resume_command(run_dir):
     """The command that continues this run from its last checkpoint, launched as this one was."""
     run_dir = shlex.quote(str(run_dir))
     if RUN_ID is None:
-        return f"python train.py --resume {run_dir}"
+        return f"python {script('train.py')} --resume {run_dir}"
     nodes = WORLD_SIZE // LOCAL_WORLD_SIZE
     extra = f" --nnodes={nodes} (and this launch's --rdzv options, on every node)" if nodes > 1 else ""
-    return f"torchrun --nproc_per_node={LOCAL_WORLD_SIZE}{extra} train.py --resume {run_dir}"
+    return f"torchrun --nproc_per_node={LOCAL_WORLD_SIZE}{extra} {script('train.py')} --resume {run_dir}"
 
 
 def next_steps(run_dir, state, seconds, held_out, started_at=(0, 0), viewers=None):
@@ -203,10 +203,10 @@ def next_steps(run_dir, state, seconds, held_out, started_at=(0, 0), viewers=Non
             f"Best {BEST_METRIC_NAMES[state.best_metric]} {state.best_score:.2%} at epoch {state.best_epoch}: {best}\n"
             f"Next:\n"
             + "".join(f"  {viewer}\n" for viewer in viewers) +
-            f"  python val.py --weights {best}\n"
-            f"  python predict.py --weights {best} --source {source}"
+            f"  python {script('val.py')} --weights {best}\n"
+            f"  python {script('predict.py')} --weights {best} --source {source}"
             f"{'' if held_out else '     # a folder of new images'}\n"
-            f"  python export.py --weights {best} --format onnx")
+            f"  python {script('export.py')} --weights {best} --format onnx")
 
 
 def end_stopped(logger, run_dir, epoch, step, steps):
