@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from conftest import ROOT, TORCHRUN, clean_env, make_image_folder, run_torchrun
+from utils.watchdog import GONE
 from test_resume import free_port
 
 HOST = socket.gethostname()
@@ -142,3 +143,32 @@ def test_a_rank_that_hangs_on_another_machine_is_named_there_and_ends_with_its_a
     # Before its line, where it stood: its main thread's stack, down to the fault's sleep
     stack = out1.split(f"rank 1 on {HOST}, named as hung, stands here:\n")[1].split("train.py: error:")[0]
     assert "in hang\n    time.sleep(10**6)" in stack, out1[-3000:]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_step_on_another_machine_is_named_on_both_consoles_without_a_traceback(tmp_path):
+    # Node 1 ("node-b") is another machine: its rank 3 SIGKILLs itself at its 2nd vote (epoch 1, step 2). Rank 2 sees
+    # its process end and says so on node-b's console; rank 0, whose collective broke, says it on node 0's; no
+    # rank's traceback of the collective that broke, no offer to save.
+    data = make_image_folder(tmp_path / "data", {"train": {"a": 6, "b": 6}, "val": {"a": 2, "b": 2}})
+    nodes = two_nodes(tmp_path, [*RECIPE, f"data.name={data}"], [], "as-host:node-b,kill-rank-at-step:2:3")
+    (code0, out0), (code1, out1) = nodes
+    assert code0 != 0 and code1 != 0, out0[-3000:] + out1[-3000:]
+    said = f"train.py: error: rank 3 on node-b: {GONE}, last seen "  # where: published every 0.5 s
+    lines0, lines1 = error_lines(out0), error_lines(out1)
+    assert sorted(line.split(", last seen ")[0] for line in lines0) == [
+        said.split(", last seen ")[0], f"train.py: rank 1 on {HOST} stopped: rank 3 on node-b failed"], out0[-3000:]
+    assert len(lines1) == 1 and lines1[0].startswith(said), out1[-3000:]
+    assert "]: Traceback" not in out0 + out1 and "to save a checkpoint" not in out0 + out1, out0[-3000:] + out1[-3000:]
+
+
+@pytest.mark.slow
+def test_a_ranks_unexpected_error_is_its_own_traceback_and_one_line_on_the_others(tmp_path):
+    data = make_image_folder(tmp_path / "data", {"train": {"a": 6, "b": 6}, "val": {"a": 2, "b": 2}})
+    result = run_torchrun("tests/faults.py", "raise-on-rank-at-step:2:1", "train.py", *RECIPE, f"data.name={data}",
+                          f"project={tmp_path / 'runs'}", nproc=2)
+    assert result.returncode != 0
+    assert error_lines(result.stderr) == [f"train.py: error: rank 1 on {HOST}: RuntimeError: an unexpected error, "
+                                          f"injected"], result.stderr[-3000:]
+    assert "[rank1]: Traceback" in result.stderr and "[rank0]: Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "RuntimeError: an unexpected error, injected" in result.stderr.split("Root Cause")[-1]

@@ -2,13 +2,15 @@
 the ranks publish, and what never trips it. The launches under torchrun are in test_hangs.py."""
 
 import json
+import subprocess
 import time
 
 import pytest
 import torch.distributed as dist
 
 import utils.watchdog as watchdog
-from utils.watchdog import LEFT, Placed, PulsingFile, Watchdog, further, now_at, placed, published, waiting
+from utils.watchdog import (GONE, LEFT, Placed, PulsingFile, Watchdog, further, now_at, pid_namespace, placed,
+                            proc_start, published, waiting)
 
 
 @pytest.fixture(autouse=True)
@@ -85,6 +87,55 @@ def test_a_rank_that_gives_no_sign_of_life_is_named_as_frozen_wherever_it_is():
     rank, why, _, frozen = watch(store, 3, publishing=(1,))
     assert (rank, frozen) == (2, True)
     assert why == "gave no sign of life for 0.3 s (stopped, frozen, or its machine is gone)"
+
+
+def test_a_rank_whose_process_on_this_machine_ended_is_named_at_once_not_one_elsewhere_nor_one_that_left():
+    # Its collectives break the moment it dies (SIGKILL, the out-of-memory killer): no limit to wait out. Not yet
+    # reaped by torchrun, it is a zombie: gone too.
+    store, step = dist.HashStore(), "epoch 1, step 6/9 (in the step)"
+    now_at((0, 0, 5, 1), step)
+    processes = {rank: subprocess.Popen(["sleep", "60"]) for rank in (1, 2)}
+    for rank, process in processes.items():
+        publish(store, rank, (0, 0, 5, 1), step)
+        store.set(f"proc/{rank}", json.dumps({"host": "here", "pidns": pid_namespace(), "pid": process.pid,
+                                               "start": proc_start(process.pid), "error_file": ""}))
+    here, elsewhere = (Watchdog(store, world_size=3, rank=0, host=host) for host in ("here", "there"))
+    try:
+        assert here.read() and here.gone() is None
+        processes[2].kill()
+        for _ in range(100):  # the kill lands at once, but not within the call
+            if proc_start(processes[2].pid) is None:
+                break
+            time.sleep(0.01)
+        assert open(f"/proc/{processes[2].pid}/stat").read().rpartition(")")[2].split()[0] == "Z"
+        assert here.gone() == (2, GONE, {"place": [0, 0, 5, 1, 0], "doing": step, "moves": 0}, True)
+        time.sleep(here.every)
+        assert here.hung()[:2] == (2, GONE)  # the watch thread's reading names it too, long before the limit
+        processes[2].wait()  # reaped
+        assert here.gone()[0] == 2 and elsewhere.read() and elsewhere.gone() is None
+        publish(store, 2, LEFT)  # one that left the job before it ended is not named
+        assert here.read() and here.gone() is None
+    finally:
+        for process in processes.values():
+            process.kill()
+            process.wait()
+
+
+def test_after_a_broken_collective_a_rank_elsewhere_is_named_by_a_shorter_silence():
+    store, step = dist.HashStore(), "epoch 1, step 6/9 (in the step)"
+    now_at((0, 0, 5, 1), step)
+    for rank in (1, 2):
+        publish(store, rank, (0, 0, 5, 1), step)
+    dog = Watchdog(store, world_size=3, rank=0, host="here")
+    assert dog.read() and dog.gone(silent_for=0.2) is None
+    end = time.monotonic() + 0.5
+    while time.monotonic() < end:  # rank 1 lives, rank 2 is silent
+        store.add("alive/1", 1)
+        dog.read()
+        time.sleep(0.05)
+    rank, why, _, frozen = dog.gone(silent_for=0.2)
+    assert (rank, why, frozen) == (2, "gave no sign of life for 0.2 s (stopped, frozen, or its machine is gone)", True)
+    assert dog.gone() is None  # without silent_for, only this machine's processes are judged
 
 
 @pytest.mark.slow

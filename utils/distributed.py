@@ -20,7 +20,8 @@ import torch.distributed as dist
 from utils.general import (LOCAL_RANK, LOCAL_WORLD_SIZE, RANK, RESTART_COUNT, SHARE_ONE_GPU, WORLD_SIZE, SharedError,
                            UsageError, error_line, in_flags)
 from utils.torch_utils import TORCH_MINIMUM, check_version, de_parallel
-from utils.watchdog import LEFT, Watchdog, collective, hung_line, identity, pid_namespace, proc_start, published
+from utils.watchdog import (GONE, LEFT, Watchdog, collective, hung_line, identity, pid_namespace, proc_start,
+                            published)
 
 # How long a rank waits at a collective for the others. No rank works alone for long (validation and data checks are
 # shared, rank 0 only saves), so a rank that waits this long waits for one that is stuck.
@@ -36,7 +37,7 @@ STORE_TIMEOUT = timedelta(seconds=30)
 # This launch attempt's name and store, the event that stops watch_failures, and the lock held by the one thread
 # (the main one, or watch_failures) that says how this process ends; set when the process group is joined.
 _job = {"token": None, "store": None, "stop": threading.Event(), "said": threading.Lock(), "failed_here": False,
-        "ending": False, "ended": None}
+        "ending": False, "ended": None, "dog": None}
 _when_failing = []  # what this process does before it ends on a failure (when_failing)
 
 
@@ -94,15 +95,47 @@ def said_by_rank0(store, error, line):
 
 
 def stop_if_another_rank_failed(script):
-    """After an unexpected error (a collective broken by a rank that left): if another rank recorded its failure,
-    end this rank with code 2 and the line that names it, rather than a traceback of the broken collective."""
+    """After an unexpected error (a collective broken by a rank that left): if another rank recorded its failure, or
+    left without a word (departed), end this rank with code 2 and the line that names it, rather than a traceback of
+    the broken collective. Else the error is this rank's own: recorded, for the other ranks to say, before the
+    caller raises it."""
     run_failure_actions()
-    first = first_failure(_job["store"])
+    store = _job["store"]
+    try:
+        first = first_failure(store, quiet=False)
+    except dist.DistError as e:  # the job's store is gone, with torchrun's agent that held it: so is the job
+        if agent_store():
+            end_without_store(script, e)
+        first = None
+    if first is None and store is not None:
+        first = departed(store)
     if first == RANK and not _job["failed_here"]:  # another rank named this one as hung
-        end_as_named(script, _job["store"])
+        end_as_named(script, store)
     if first is not None and first != RANK:
         say_stopped(script, first)
         sys.exit(2)
+    if first is None and store is not None:
+        error = sys.exc_info()[1]
+        record_failure(store, f"{type(error).__name__}: {error_line(error)}", int(time.time()))
+
+
+def departed(store):
+    """The rank whose process left without a word (killed by SIGKILL or the out-of-memory killer, its machine gone)
+    and so broke this rank's collective, recorded as blame records a hung one; or the failure another rank records
+    meanwhile; None if the other ranks live on. One on this machine shows at once (its process has ended); with ranks
+    elsewhere, their signs of life are watched until one stood still for 2 x FAILURE_GRACE_S."""
+    dog, silent_for = Watchdog(store, host=HOST), 2 * FAILURE_GRACE_S
+    deadline = time.monotonic() + silent_for + 2 * FAILURE_POLL_S
+    with suppress(dist.DistError):  # a store that does not answer tells nothing more
+        while True:
+            if (first := first_failure(store)) is not None:
+                return first
+            if dog.read() and (ended := dog.gone(silent_for)):
+                return blame(store, *ended)
+            elsewhere = dog.procs is None or any(info["host"] != HOST for info in dog.procs.values())
+            if not elsewhere or time.monotonic() > deadline:
+                return None
+            time.sleep(FAILURE_POLL_S)
 
 
 def record_failure(store, line, seconds, rank=RANK, host=HOST):
@@ -150,7 +183,11 @@ def say_stopped(script, first):
     except Exception:
         failed = {"host": "its machine", "line": "its error did not reach this rank"}
     seconds = failed.get("time", int(time.time())) + 1  # after the failed rank's: torchrun names it as root cause
-    if RANK == 0 or first == _job["ended"]:  # rank 0, or the rank that ended it frozen (it can say nothing)
+    gone = failed["line"].startswith(GONE)  # its process ended without a word
+    # One that is gone says nothing: the first other rank on its machine says its line there (torchrun numbers a
+    # machine's ranks in a row), as the rank that ended one frozen does.
+    witness = gone and failed["host"] == HOST and LOCAL_RANK == (1 if first % LOCAL_WORLD_SIZE == 0 else 0)
+    if RANK == 0 or first == _job["ended"] or witness:
         line = f"{script}: error: rank {first} on {failed['host']}: {failed['line']}"
     else:
         line = f"{script}: rank {RANK} on {HOST} stopped: rank {first} on {failed['host']} failed"
@@ -158,7 +195,7 @@ def say_stopped(script, first):
     # The failed rank may still wait up to FAILURE_GRACE_S for rank 0's line (said_by_rank0) before it exits. It
     # should exit first: torchrun then ends this rank, and its summary shows the failed rank's exit code, where a
     # stopped rank that exited first would have torchrun kill the failed one.
-    if first != _job["ended"]:
+    if first != _job["ended"] and not gone:
         time.sleep(FAILURE_GRACE_S + 1)
 
 
@@ -192,7 +229,8 @@ def watch_failures(script, store, stop):
     its main thread waits (a collective with a rank that left can wait until DIST_TIMEOUT). A rank that another named
     as hung ends with that line; every rank ends when the job's store is gone (its agent on the first machine
     ended)."""
-    dog, published_moves = Watchdog(store), [None]
+    dog, published_moves = Watchdog(store, host=HOST), [None]
+    _job["dog"] = dog
     while not stop.wait(FAILURE_POLL_S):
         try:
             sign_of_life(store, published_moves)
@@ -219,8 +257,10 @@ def watch_failures(script, store, stop):
 
 
 def ending():
-    """Whether this process is ending on a failure that its watch thread saw (its own or another rank's)."""
-    return _job["ending"]
+    """Whether this process is ending on a failure that its watch thread saw (its own or another rank's), or will see:
+    a rank on this machine whose process has ended (torchrun's stop signal for it comes first). Reads no store."""
+    dog = _job["dog"]
+    return _job["ending"] or (dog is not None and dog.procs is not None and dog.gone() is not None)
 
 
 def sign_of_life(store, published_moves=None):

@@ -29,6 +29,7 @@ CHECK_SECONDS = 1.0  # how often a watch thread reads the other ranks' places an
 # serves this many readings a second in all (at 512 ranks, every 16 s: 0.17 s of store time a second).
 READINGS_A_SECOND = 32
 LEFT = "left"  # a rank's place once it has left the process group: its silence then says nothing
+GONE = "its process ended without leaving the job (killed: kill -9, the out-of-memory killer; or crashed)"
 # This rank's place in the run, as its main thread last said it: a tuple of ints that only grows, what it does there,
 # and a count of its moves (new places and pulses), which the watch thread publishes when it changed.
 _here = {"place": None, "doing": "starting", "waiting": 0, "moves": 0, "limit": HANG_SECONDS}
@@ -144,10 +145,12 @@ def published():
 
 
 def proc_start(pid):
-    """When process pid started (clock ticks since boot), or None: with the pid, it names one process for good."""
+    """When process pid started (clock ticks since boot), or None where it has ended (a zombie too, until its parent
+    reaps it): with the pid, it names one running process for good."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rpartition(")")[2].split()[19])
+            fields = f.read().rpartition(")")[2].split()
+        return None if fields[0] in ("Z", "X") else int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
 
@@ -170,26 +173,22 @@ def identity(host):
 class Watchdog:
     """What this rank's watch thread knows of the other ranks: when each one's sign of life last changed, and since
     when each one has stood still in its place with another rank past it (behind), by this process's own clock
-    (machines' clocks may differ)."""
+    (machines' clocks may differ); and which of them run on this machine (host), whose processes it can see."""
 
-    def __init__(self, store, world_size=WORLD_SIZE, rank=RANK):
-        self.store, self.others = store, [r for r in range(world_size) if r != rank]
+    def __init__(self, store, world_size=WORLD_SIZE, rank=RANK, host=None):
+        self.store, self.others, self.host = store, [r for r in range(world_size) if r != rank], host
         self.keys = [f"alive/{r}" for r in self.others] + [f"place/{r}" for r in self.others]
-        self.seen, self.behind, self.read_at = {}, {}, 0.0
+        self.seen, self.behind, self.read_at, self.procs = {}, {}, 0.0, None
         self.every = max(CHECK_SECONDS, world_size / READINGS_A_SECOND)
 
     def hung(self):
         """(rank, why, place, frozen) of a rank that hangs, read at most every self.every seconds (frozen: it gave no
-        sign of life); None while none does."""
+        sign of life), or whose process on this machine has ended; None while none does."""
         now, seconds = time.monotonic(), limit()
-        if not seconds or not self.others or now - self.read_at < self.every:
+        if not seconds or not self.others or now - self.read_at < self.every or not self.read():
             return None
-        self.read_at = now
-        if not self.store.check(self.keys):  # a rank that has not published yet is still joining
-            return None
-        for key, value in zip(self.keys, self.store.multi_get(self.keys)):
-            if self.seen.get(key, (None,))[0] != value:
-                self.seen[key] = value, now
+        if ended := self.gone():
+            return ended
         places = {r: self.place(r) for r in self.others}
         mine = published_place()
         for r in self.others:
@@ -197,8 +196,7 @@ class Watchdog:
             if place == LEFT:
                 continue
             if now - self.seen[f"alive/{r}"][1] > seconds:
-                why = f"gave no sign of life for {seconds:g} s (stopped, frozen, or its machine is gone)"
-                return r, why, place, True
+                return r, silence(seconds), place, True
             # Timed from when another rank was first seen past it, not from when it came to its place: in a step
             # longer than the limit, the rank that ends it first is past the others by a moment, not by the step.
             raw = self.seen[f"place/{r}"][0]
@@ -208,6 +206,35 @@ class Watchdog:
                 self.behind[r] = raw, now
             elif now - self.behind[r][1] > seconds:
                 return r, f"made no progress for {seconds:g} s while the other ranks waited for it", place, False
+        return None
+
+    def read(self):
+        """Read every other rank's sign of life and place (False while one has not published yet: still joining)."""
+        now = self.read_at = time.monotonic()
+        if not self.store.check(self.keys):
+            return False
+        for key, value in zip(self.keys, self.store.multi_get(self.keys)):
+            if self.seen.get(key, (None,))[0] != value:
+                self.seen[key] = value, now
+        return True
+
+    def gone(self, silent_for=None):
+        """(rank, why, place, True) of a rank, not yet LEFT, whose process on this machine has ended (killed by
+        SIGKILL, the out-of-memory killer, or crashed without leaving the job), as of the last read; or, given
+        silent_for, of one elsewhere that gave no sign of life for that long. None if there is none."""
+        if self.procs is None and self.store.check([f"proc/{r}" for r in self.others]):
+            self.procs = {r: json.loads(info) for r, info in
+                          zip(self.others, self.store.multi_get([f"proc/{r}" for r in self.others]))}
+        now, namespace = time.monotonic(), pid_namespace()
+        for r in self.others:
+            place, info = self.place(r), (self.procs or {}).get(r)
+            if place == LEFT:
+                continue
+            if info and (info["host"], info["pidns"]) == (self.host, namespace) and \
+                    proc_start(info["pid"]) != info["start"]:
+                return r, GONE, place, True
+            if silent_for is not None and now - self.seen[f"alive/{r}"][1] > silent_for:
+                return r, silence(silent_for), place, True
         return None
 
     @staticmethod
@@ -227,10 +254,16 @@ def published_place():
     return json.loads(published()[0])
 
 
+def silence(seconds):
+    """Why a rank that gave no sign of life for `seconds` is named."""
+    return f"gave no sign of life for {seconds:g} s (stopped, frozen, or its machine is gone)"
+
+
 def hung_line(why, place, frozen):
     """The line that names what a hung rank did last (its rank and machine are added by the caller): where a frozen
     one was last seen (its place is published every 0.5 s), where a live one is stuck."""
     where = f"at {place['doing']}" if isinstance(place, dict) and place["place"] is not None else \
         "starting up"
-    return (f"{why}, {'last seen' if frozen else 'stuck'} {where}; the job ends here (train.hang_seconds sets the "
-            f"limit; docs/troubleshooting.md says what to look at)")
+    limit_set = "" if why == GONE else "train.hang_seconds sets the limit; "
+    return (f"{why}, {'last seen' if frozen else 'stuck'} {where}; the job ends here ({limit_set}"
+            f"docs/troubleshooting.md says what to look at)")
