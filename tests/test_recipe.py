@@ -153,9 +153,12 @@ def test_malformed_override():
         load_recipe("cls.yaml", ["optim.lr"])
 
 
-def test_missing_recipe_lists_available():
+def test_missing_recipe_lists_available(tmp_path):
     with pytest.raises(RecipeError, match="not found.*cls.yaml"):
         load_recipe("nope.yaml")
+    with pytest.raises(RecipeError, match=f"recipe '{tmp_path}' is a folder; give a recipe file in it, or the name of "
+                                          f"one in {RECIPES_DIR} \\(cifar10"):
+        load_recipe(str(tmp_path))
 
 
 def test_invalid_yaml_names_file(tmp_path):

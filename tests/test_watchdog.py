@@ -1,5 +1,6 @@
 """Naming a rank that hangs (utils/watchdog.py): which rank the watch threads name, from the places and signs of life
-the ranks publish, and what never trips it. The launches under torchrun are in test_hangs.py."""
+the ranks publish, and what never trips it. The launches under torchrun are in test_resume.py and
+test_rank_errors.py."""
 
 import json
 import subprocess

@@ -228,6 +228,9 @@ def find_recipe(recipe, relative_to=None):
         if path.is_file():
             return path
     available = ", ".join(sorted(p.name for p in RECIPES_DIR.glob("*.yaml")))
+    if (folders[0] / recipe).is_dir():
+        raise RecipeError(f"recipe '{recipe}' is a folder; give a recipe file in it, or the name of one in "
+                          f"{RECIPES_DIR} ({available})")
     raise RecipeError(f"recipe '{recipe}' not found as a path or in {RECIPES_DIR} (available: {available})")
 
 
