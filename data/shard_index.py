@@ -102,6 +102,12 @@ def class_list(shards):
     return classes
 
 
+def scanned(paths, train, desc):
+    """scan_shard of each path, with a progress bar that is closed before an error is said."""
+    with tqdm(paths, desc=desc, unit="shard", file=sys.stderr) as bar:
+        return [scan_shard(path, train) for path in bar]
+
+
 def index_shards(src):
     """Write src's split indexes and dataset.json (last, so a half-indexed set is never read); returns the counts."""
     src = Path(src)
@@ -111,9 +117,7 @@ def index_shards(src):
     for split, paths in tars.items():
         if not paths:
             raise UsageError(f"{src}: no {split}/*.tar; give a folder whose train/ and val/ hold WebDataset shards")
-    shards = {split: [scan_shard(p, split == "train") for p in tqdm(paths, desc=f"{split} shards", unit="shard",
-                                                                    file=sys.stderr)]
-              for split, paths in tars.items()}
+    shards = {split: scanned(paths, split == "train", f"{split} shards") for split, paths in tars.items()}
     classes = class_list(shards)
     number = {name: i for i, name in enumerate(classes)}
     for split, entries in shards.items():

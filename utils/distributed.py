@@ -114,18 +114,18 @@ def stop_if_another_rank_failed(script):
     if first is not None and first != RANK:
         say_stopped(script, first)
         sys.exit(2)
-    if first is None and store is not None:
-        error = sys.exc_info()[1]
+    error = sys.exc_info()[1]
+    if first is None and store is not None and error is not None:
         record_failure(store, f"{type(error).__name__}: {error_line(error)}", int(time.time()))
 
 
 def departed(store):
     """The rank whose process left without a word (killed by SIGKILL or the out-of-memory killer, its machine gone)
     and so broke this rank's collective, recorded as blame records a hung one; or the failure another rank records
-    meanwhile; None if the other ranks live on. One on this machine shows at once (its process has ended); with ranks
-    elsewhere, their signs of life are watched until one stood still for 2 x FAILURE_GRACE_S."""
-    dog, silent_for = Watchdog(store, host=HOST), 2 * FAILURE_GRACE_S
-    deadline = time.monotonic() + silent_for + 2 * FAILURE_POLL_S
+    meanwhile; None if the other ranks live on. One on this machine shows within a moment (its process has ended: its
+    sockets close a moment before it is a zombie); with ranks elsewhere, their signs of life are watched until one
+    stood still for 2 x FAILURE_GRACE_S."""
+    dog, silent_for, start = Watchdog(store, host=HOST), 2 * FAILURE_GRACE_S, time.monotonic()
     with suppress(dist.DistError):  # a store that does not answer tells nothing more
         while True:
             if (first := first_failure(store)) is not None:
@@ -133,9 +133,9 @@ def departed(store):
             if dog.read() and (ended := dog.gone(silent_for)):
                 return blame(store, *ended)
             elsewhere = dog.procs is None or any(info["host"] != HOST for info in dog.procs.values())
-            if not elsewhere or time.monotonic() > deadline:
+            if time.monotonic() - start > (silent_for if elsewhere else 0) + 2 * FAILURE_POLL_S:
                 return None
-            time.sleep(FAILURE_POLL_S)
+            time.sleep(FAILURE_POLL_S / 5)
 
 
 def record_failure(store, line, seconds, rank=RANK, host=HOST):

@@ -121,9 +121,11 @@ def in_flags(message, flags):
 
 
 def script(name):
-    """How a command this project prints names its script `name` (val.py): as a path from the current directory,
-    so that the command works as typed in the folder the user launched from, not only in the repository's."""
-    return shlex.quote(str(short_path(ROOT / name)))
+    """How a command this project prints names its script `name` (val.py): beside the script this process was
+    launched as, written as that one was (train.py, ../cls/train.py), so that the command works as typed where the
+    user launched; else its path from here."""
+    beside = Path(sys.argv[0]).parent / name
+    return shlex.quote(str(beside if beside.is_file() else short_path(ROOT / name)))
 
 
 def short_path(path):
