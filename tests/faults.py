@@ -12,7 +12,6 @@ it started (1-based; see StopVote):
     signal-torchrun-at-step:S:NAME  rank 0 sends signal NAME to torchrun's process group during step S, as Ctrl-C in
                              the terminal does: torchrun's workers run in sessions of their own, and it passes it on
     kill-rank-at-step:S:R    on torchrun's first attempt only, rank R SIGKILLs itself during step S
-    raise-on-rank-at-step:S:R  rank R raises an unexpected error (a RuntimeError, as a bug would) during step S
     stop-rank-at-step:S:R    rank R SIGSTOPs itself (every thread: frozen) during step S; S and R may list one per
                              torchrun attempt, S0/S1/...: attempt k stops at step Sk, attempts past the list run on
     hang-rank-at-step:S:R    on torchrun's first attempt only, rank R's main thread hangs during step S (its other
@@ -129,11 +128,6 @@ def kill_rank(rank):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def raise_on_rank(rank):
-    if RANK == int(rank):
-        raise RuntimeError("an unexpected error, injected")
-
-
 def stop_rank(steps, rank):
     """The fault of stop-rank-at-step: on_step calls it at every step, as S may differ per attempt."""
     steps, ranks = [int(s) for s in steps.split("/")], [int(r) for r in rank.split("/")]
@@ -210,8 +204,7 @@ def slow_to_say_on_rank(rank, seconds):
 FAULTS = {"killpg-after-save": on_save(save_then_killpg), "killpg-in-save": on_save(killpg_before_rename),
           "enospc-in-save": on_save(fail_with_enospc), "signal-at-step": on_step(send_signal),
           "signal-torchrun-at-step": on_step(send_signal_to_torchrun),
-          "kill-rank-at-step": on_step(kill_rank), "raise-on-rank-at-step": on_step(raise_on_rank),
-          "stop-rank-at-step": on_step(stop_rank, every=True),
+          "kill-rank-at-step": on_step(kill_rank), "stop-rank-at-step": on_step(stop_rank, every=True),
           "hang-rank-at-step": on_step(hang_rank), "nan-loss-at-step": nan_loss_at_step,
           "low-memory-on-rank": low_memory_on_rank, "kill-in-jpeg-cache": in_jpeg_cache_write(lambda: os.kill(
               os.getpid(), signal.SIGKILL)), "hang-in-jpeg-cache": in_jpeg_cache_write(hang), "as-host": as_host,
