@@ -114,7 +114,7 @@ def validate(args):
     if (cfg.data.skip_corrupt or args.skip_corrupt) and hasattr(dataset, "samples"):  # a run's top-1 left them out
         skipped = skip_unreadable(dataset)
         if skipped and RANK == 0:
-            LOGGER.warning(in_flags(skipped_message(skipped), FLAGS))
+            LOGGER.warning(in_flags(skipped_message(skipped), FLAGS) if args.skip_corrupt else skipped_message(skipped))
     batch_size = cfg.train.batch_size if args.batch_size is None else args.batch_size
     if batch_size < 1:
         raise UsageError(f"--batch-size {batch_size}: must be >= 1")

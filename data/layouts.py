@@ -35,8 +35,11 @@ LISTS = ("train", "val")  # the file lists split.json holds
 
 def hidden(path, root):
     """Whether path, under root, is or lies in a hidden file or folder (its name starts with '.': Jupyter's
-    .ipynb_checkpoints, macOS's ._ copies, .git): never a class or an image, as in Hugging Face's image folders."""
-    return any(part.startswith(".") for part in Path(path).relative_to(root).parts)
+    .ipynb_checkpoints, macOS's ._ copies, .git): never a class or an image, as in Hugging Face's image folders.
+    Text, not pathlib: it is asked of every file of a listing (a million for ImageNet)."""
+    path, root = str(path), str(root)
+    below = path[len(root):] if root not in ("", ".") and path.startswith(root) else path
+    return f"{os.sep}." in f"{os.sep}{below}"
 
 
 @dataclass

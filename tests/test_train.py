@@ -483,8 +483,8 @@ def test_a_val_split_run_and_its_resume_say_what_they_trained_and_what_comes_nex
     assert first.returncode == 0, first.stderr[-3000:]
     best = "runs/train/exp/weights/best.pt"
     assert re.search(r"\n1 epoch in [\d.]+s\. Results saved to runs/train/exp ", first.stdout), first.stdout
-    assert f"  python {ROOT / 'predict.py'} --weights {best} --source path/to/new_images     # a folder of new images\n" \
-        in first.stdout
+    new_images = "--source path/to/new_images     # a folder of new images"
+    assert f"  python {ROOT / 'predict.py'} --weights {best} {new_images}\n" in first.stdout
     resumed = run_python(ROOT / "train.py", "--resume", "runs/train/exp", "train.epochs=3", *short, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert re.search(r"\n2 epochs in [\d.]+s, resumed at epoch 2, step 0; 3 in all\. Results saved to runs/train/exp ",

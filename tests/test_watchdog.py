@@ -10,8 +10,8 @@ import pytest
 import torch.distributed as dist
 
 import utils.watchdog as watchdog
-from utils.watchdog import (GONE, LEFT, Placed, PulsingFile, Watchdog, further, now_at, pid_namespace, placed,
-                            proc_start, published, waiting)
+from utils.watchdog import (GONE, LEFT, Placed, PulsingFile, Watchdog, boot_id, further, now_at, pid_namespace,
+                            placed, proc_start, published, waiting)
 
 
 @pytest.fixture(autouse=True)
@@ -98,14 +98,14 @@ def test_a_rank_whose_process_on_this_machine_ended_is_named_at_once_not_one_els
     processes = {rank: subprocess.Popen(["sleep", "60"]) for rank in (1, 2)}
     for rank, process in processes.items():
         publish(store, rank, (0, 0, 5, 1), step)
-        store.set(f"proc/{rank}", json.dumps({"host": "here", "pidns": pid_namespace(), "pid": process.pid,
-                                               "start": proc_start(process.pid), "error_file": ""}))
+        store.set(f"proc/{rank}", json.dumps({"host": "here", "boot": boot_id(), "pidns": pid_namespace(),
+                                               "pid": process.pid, "start": proc_start(process.pid), "error_file": ""}))
     here, elsewhere = (Watchdog(store, world_size=3, rank=0, host=host) for host in ("here", "there"))
     try:
         assert here.read() and here.gone() is None
         processes[2].kill()
-        for _ in range(100):  # the kill lands at once, but not within the call
-            if proc_start(processes[2].pid) is None:
+        for _ in range(500):  # the kill lands at once, but not within the call; exiting takes a moment more
+            if open(f"/proc/{processes[2].pid}/stat").read().rpartition(")")[2].split()[0] == "Z":
                 break
             time.sleep(0.01)
         assert open(f"/proc/{processes[2].pid}/stat").read().rpartition(")")[2].split()[0] == "Z"

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from utils.general import (LOCAL_RANK, LOCAL_WORLD_SIZE, RANK, RESTART_COUNT, SHARE_ONE_GPU, WORLD_SIZE, SharedError,
                            UsageError, error_line, in_flags)
 from utils.torch_utils import TORCH_MINIMUM, check_version, de_parallel
-from utils.watchdog import (GONE, LEFT, Watchdog, collective, hung_line, identity, pid_namespace, proc_start,
+from utils.watchdog import (GONE, LEFT, Watchdog, collective, hung_line, identity, limit, on_this_machine, proc_start,
                             published)
 
 # How long a rank waits at a collective for the others. No rank works alone for long (validation and data checks are
@@ -97,43 +97,46 @@ def said_by_rank0(store, error, line):
 def stop_if_another_rank_failed(script):
     """After an unexpected error (a collective broken by a rank that left): if another rank recorded its failure, or
     left without a word (departed), end this rank with code 2 and the line that names it, rather than a traceback of
-    the broken collective. Else the error is this rank's own: recorded, for the other ranks to say, before the
-    caller raises it."""
+    the broken collective. An error of this rank's own (not a collective or the store that broke) is recorded, for
+    the other ranks to say, before the caller raises it."""
     run_failure_actions()
-    store = _job["store"]
+    store, error = _job["store"], sys.exc_info()[1]
+    broken = isinstance(error, dist.DistError) or "gloo" in str(error)  # gloo's are RuntimeErrors
     try:
         first = first_failure(store, quiet=False)
     except dist.DistError as e:  # the job's store is gone, with torchrun's agent that held it: so is the job
         if agent_store():
             end_without_store(script, e)
         first = None
-    if first is None and store is not None:
+    if first is None and store is not None and broken:
         first = departed(store)
     if first == RANK and not _job["failed_here"]:  # another rank named this one as hung
         end_as_named(script, store)
     if first is not None and first != RANK:
         say_stopped(script, first)
         sys.exit(2)
-    error = sys.exc_info()[1]
-    if first is None and store is not None and error is not None:
+    if first is None and store is not None and error is not None and not broken:
         record_failure(store, f"{type(error).__name__}: {error_line(error)}", int(time.time()))
 
 
 def departed(store):
     """The rank whose process left without a word (killed by SIGKILL or the out-of-memory killer, its machine gone)
     and so broke this rank's collective, recorded as blame records a hung one; or the failure another rank records
-    meanwhile; None if the other ranks live on. One on this machine shows within a moment (its process has ended: its
-    sockets close a moment before it is a zombie); with ranks elsewhere, their signs of life are watched until one
-    stood still for 2 x FAILURE_GRACE_S."""
-    dog, silent_for, start = Watchdog(store, host=HOST), 2 * FAILURE_GRACE_S, time.monotonic()
+    meanwhile; None if the other ranks live on. One on this machine shows within a moment (its process is exiting);
+    with ranks elsewhere (and the watchdog on: train.hang_seconds), their signs of life are watched until one stood
+    still for 2 x FAILURE_GRACE_S, read no more often than the watch thread reads them (Watchdog.every)."""
+    dog, start, read_at = Watchdog(store, host=HOST), time.monotonic(), None
+    silent_for = 2 * FAILURE_GRACE_S if limit() else None
     with suppress(dist.DistError):  # a store that does not answer tells nothing more
         while True:
             if (first := first_failure(store)) is not None:
                 return first
-            if dog.read() and (ended := dog.gone(silent_for)):
-                return blame(store, *ended)
-            elsewhere = dog.procs is None or any(info["host"] != HOST for info in dog.procs.values())
-            if time.monotonic() - start > (silent_for if elsewhere else 0) + 2 * FAILURE_POLL_S:
+            if read_at is None or time.monotonic() - read_at >= max(FAILURE_POLL_S, dog.every):
+                read_at = time.monotonic()
+                if dog.read() and (ended := dog.gone(silent_for)):
+                    return blame(store, *ended)
+            elsewhere = dog.procs is None or len(dog.local) < len(dog.others)
+            if time.monotonic() - start > ((silent_for or 0) if elsewhere else 0) + 2 * FAILURE_POLL_S:
                 return None
             time.sleep(FAILURE_POLL_S / 5)
 
@@ -281,8 +284,7 @@ def blame(store, rank, why, place, frozen):
     waiter."""
     seconds, info = int(time.time()), json.loads(store.get(f"proc/{rank}"))
     record_failure(store, hung_line(why, place, frozen), seconds, rank, info["host"])
-    if frozen and info["host"] == HOST and info["pidns"] == pid_namespace() and \
-            proc_start(info["pid"]) == info["start"] is not None:
+    if frozen and on_this_machine(info, HOST) and proc_start(info["pid"]) == info["start"] is not None:
         line = f"{os.path.basename(sys.argv[0])}: error: rank {rank} on {HOST}: {hung_line(why, place, frozen)}"
         record_for_torchrun(line, seconds, info["error_file"])
         os.kill(info["pid"], signal.SIGKILL)

@@ -29,8 +29,13 @@ class ConsoleHandler(logging.StreamHandler):
 
     def handleError(self, record):
         if isinstance(sys.exc_info()[1], BrokenPipeError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())  # also for the interpreter's last flush
-            return
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, self.stream.fileno())  # also for the interpreter's last flush
+                os.close(devnull)
+                return
+            except (OSError, ValueError):  # a stream without a file descriptor
+                pass
         super().handleError(record)
 
 

@@ -144,13 +144,17 @@ def published():
     return json.dumps({"place": place, "doing": here["doing"], "moves": here["moves"]}), here["moves"]
 
 
+PF_EXITING = 0x4  # a process's flag (/proc/PID/stat's 9th field) from the moment it begins to exit
+
+
 def proc_start(pid):
-    """When process pid started (clock ticks since boot), or None where it has ended (a zombie too, until its parent
-    reaps it): with the pid, it names one running process for good."""
+    """When process pid started (clock ticks since boot), or None where it has ended or is ending (exiting, which
+    may take seconds as a GPU's memory is freed, or a zombie until its parent reaps it): with the pid, it names one
+    running process for good."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rpartition(")")[2].split()
-        return None if fields[0] in ("Z", "X") else int(fields[19])
+        return None if fields[0] in ("Z", "X") or int(fields[6]) & PF_EXITING else int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
 
@@ -163,11 +167,28 @@ def pid_namespace():
         return ""
 
 
+@functools.cache
+def boot_id():
+    """This machine's boot id, or '' where /proc does not say: two machines may share a host name, and every
+    machine's root pid namespace reads alike."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def identity(host):
-    """What another rank needs to end this one when it is frozen on the same machine: its host, pid namespace, pid
-    and start time, and the error file torchrun reads for it."""
-    return json.dumps({"host": host, "pidns": pid_namespace(), "pid": os.getpid(), "start": proc_start(os.getpid()),
-                       "error_file": os.getenv("TORCHELASTIC_ERROR_FILE", "")})
+    """What another rank needs to end this one when it is frozen on the same machine: its host, boot, pid namespace,
+    pid and start time, and the error file torchrun reads for it."""
+    return json.dumps({"host": host, "boot": boot_id(), "pidns": pid_namespace(), "pid": os.getpid(),
+                       "start": proc_start(os.getpid()), "error_file": os.getenv("TORCHELASTIC_ERROR_FILE", "")})
+
+
+def on_this_machine(info, host):
+    """Whether a rank's identity (identity()) is that of a process on this machine, named host here (not where
+    /proc does not give the boot id)."""
+    return bool(boot_id()) and (info["host"], info.get("boot"), info["pidns"]) == (host, boot_id(), pid_namespace())
 
 
 class Watchdog:
@@ -178,16 +199,16 @@ class Watchdog:
     def __init__(self, store, world_size=WORLD_SIZE, rank=RANK, host=None):
         self.store, self.others, self.host = store, [r for r in range(world_size) if r != rank], host
         self.keys = [f"alive/{r}" for r in self.others] + [f"place/{r}" for r in self.others]
-        self.seen, self.behind, self.read_at, self.procs = {}, {}, 0.0, None
+        self.seen, self.behind, self.read_at, self.procs, self.local = {}, {}, 0.0, None, set()
         self.every = max(CHECK_SECONDS, world_size / READINGS_A_SECOND)
 
     def hung(self):
         """(rank, why, place, frozen) of a rank that hangs, read at most every self.every seconds (frozen: it gave no
         sign of life), or whose process on this machine has ended; None while none does."""
         now, seconds = time.monotonic(), limit()
-        if not seconds or not self.others or now - self.read_at < self.every or not self.read():
+        if not self.others or now - self.read_at < self.every or not self.read():
             return None
-        if ended := self.gone():
+        if (ended := self.gone()) or not seconds:  # with the limit off, only a process that has ended
             return ended
         places = {r: self.place(r) for r in self.others}
         mine = published_place()
@@ -221,19 +242,22 @@ class Watchdog:
     def gone(self, silent_for=None):
         """(rank, why, place, True) of a rank, not yet LEFT, whose process on this machine has ended (killed by
         SIGKILL, the out-of-memory killer, or crashed without leaving the job), as of the last read; or, given
-        silent_for, of one elsewhere that gave no sign of life for that long. None if there is none."""
+        silent_for, of one elsewhere that gave no sign of life for that long. None if there is none. A rank is this
+        machine's (self.local) by its host name, boot id and pid namespace, never by its name alone."""
         if self.procs is None and self.store.check([f"proc/{r}" for r in self.others]):
             self.procs = {r: json.loads(info) for r, info in
                           zip(self.others, self.store.multi_get([f"proc/{r}" for r in self.others]))}
-        now, namespace = time.monotonic(), pid_namespace()
+            self.local = {r for r, info in self.procs.items() if on_this_machine(info, self.host)}
+        now = time.monotonic()
         for r in self.others:
-            place, info = self.place(r), (self.procs or {}).get(r)
+            place = self.place(r)
             if place == LEFT:
                 continue
-            if info and (info["host"], info["pidns"]) == (self.host, namespace) and \
-                    proc_start(info["pid"]) != info["start"]:
-                return r, GONE, place, True
-            if silent_for is not None and now - self.seen[f"alive/{r}"][1] > silent_for:
+            if r in self.local:
+                info = self.procs[r]
+                if proc_start(info["pid"]) != info["start"]:
+                    return r, GONE, place, True
+            elif silent_for is not None and now - self.seen[f"alive/{r}"][1] > silent_for:
                 return r, silence(silent_for), place, True
         return None
 
