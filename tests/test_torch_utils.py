@@ -3,13 +3,15 @@
 import os
 import random
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 import utils.torch_utils as tu
-from conftest import ROOT
+from conftest import ROOT, clean_env
 from utils import distributed, general, precision, seeds
 from utils.config import RecipeError, load_recipe
 from utils.general import UsageError, increment_path
@@ -290,3 +292,13 @@ def test_ema_follows_the_adjusted_decay_and_copies_during_warmup():
     torch.testing.assert_close(ema.module.weight, expected)
     assert not torch.equal(ema.module.weight, model.weight)
     assert tu.model_ema(model, 0.5, 32, 1024, 1).module is not model  # alpha capped at 1: a copy every update
+
+
+def test_a_script_piped_into_a_reader_that_is_gone_goes_on_quietly_to_its_end(tmp_path):
+    # `| true` reads nothing and is gone before the script writes (as `| head` is for the lines after its own):
+    # logging printed a 'Logging error' and its stack for each line (predict.py's table, its last lines).
+    (tmp_path / "say.py").write_text("import time\nfrom utils.general import LOGGER\ntime.sleep(0.3)\n"
+                                     "for i in range(3):\n    LOGGER.info(f'line {i}')\nopen('done', 'w').close()\n")
+    result = subprocess.run(["bash", "-o", "pipefail", "-c", f"'{sys.executable}' say.py | true"], cwd=tmp_path,
+                            env={**clean_env(), "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr) == (0, "") and (tmp_path / "done").exists()
