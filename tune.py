@@ -57,7 +57,7 @@ except ImportError:
 
 from models import check_model_name
 from utils.config import (RECIPES_DIR, SECTIONS, RecipeError, as_override, best_metric, find_recipe, load_recipe,
-                          schema_leaves)
+                          load_yaml, schema_leaves)
 from utils.once import atomic_write
 from utils.trackers import MLflowSweep, first_line, flat_params, sweep_environment
 
@@ -159,8 +159,8 @@ def main(argv=None):
 def read_space(path, recipe, overrides):
     """{key: Optuna distribution} of a space file, each bound or choice checked as an override of the recipe."""
     try:
-        space = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as e:
+        space = load_yaml(path)
+    except OSError as e:
         raise UsageError(f"--space {path}: cannot be read: {e}") from None
     if not isinstance(space, dict) or not space:
         raise UsageError(f"--space {path}: must map recipe keys to a range or choices, e.g. 'optim.lr: {{low: 0.01, "

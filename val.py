@@ -46,7 +46,8 @@ from utils.torch_utils import select_device, set_device, set_threads
 from utils.tta import TTA_NAME, flip_warning
 
 MAX_CLASSES_SHOWN = 50  # more classes are saved to per_class.csv but not printed
-FLAGS = {"data.name": "--data", "data.skip_corrupt": "--skip-corrupt"}  # recipe keys the data code's lines name
+FLAGS = {"data.name": "--data", "data.skip_corrupt": "--skip-corrupt",  # recipe keys the data code's lines name
+         "data.csv_allow_outside": "--csv-allow-outside"}
 
 
 def parse_args(argv=None):
@@ -62,6 +63,9 @@ def parse_args(argv=None):
     parser.add_argument("--skip-corrupt", action="store_true",
                         help="check every image once first and leave the unreadable out, each named (default: as the "
                              "run did, data.skip_corrupt)")
+    parser.add_argument("--csv-allow-outside", action="store_true",
+                        help="a CSV root: read images listed outside the CSV's folder (default: as the run did, "
+                             "data.csv_allow_outside)")
     parser.add_argument("--tta", action="store_true",
                         help="test-time augmentation: the mean softmax of each image and its horizontal flip")
     parser.add_argument("--threshold", type=threshold_option,
@@ -108,8 +112,9 @@ def validate(args):
     set_device(device)
     precision, dtype = inference_precision(args.precision, cfg.train.precision, device)
     _, workers, _ = set_threads(cfg.data.workers if args.workers is None else args.workers, device_type=device.type)
+    allow_outside = cfg.data.csv_allow_outside or args.csv_allow_outside
     dataset = named_eval_dataset(args.data or cfg.data.name, args.split, val_transforms(cfg.data), classes,
-                                 args.weights, cfg.data.csv_allow_outside, cfg.data.cache_dir, cfg.data.shard_hosts)
+                                 args.weights, allow_outside, cfg.data.cache_dir, cfg.data.shard_hosts)
     check_task(dataset, cfg.data.multilabel, args.data or cfg.data.name, weights=args.weights)
     if (cfg.data.skip_corrupt or args.skip_corrupt) and hasattr(dataset, "samples"):  # a run's top-1 left them out
         skipped = skip_unreadable(dataset)

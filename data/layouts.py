@@ -29,6 +29,7 @@ from utils.once import atomic_write
 FOLDERS, CSV_FILES, CLASS_FOLDERS = "folders", "csv", "class folders"  # the layouts find_layout tells apart
 VAL_NAMES = ("val", "valid", "test")  # a root's val split, the first present (Roboflow and Kaggle export 'valid')
 SPLIT_NAMES = ("train", *VAL_NAMES)  # folders or CSVs (NAME.csv) that make a root a split one
+NO_CSV_VAL = "list the images to validate on in val.csv (path,label): data.val_split holds out class folders' images only"
 SPLIT_FILE = "split.json"  # in the run directory: data.val_split's file lists
 LISTS = ("train", "val")  # the file lists split.json holds
 
@@ -237,7 +238,9 @@ def find_layout(root, val_split=None):
                            f"out for val)")
     if val_split and not others:
         raise DatasetError(f"data.val_split={val_split}: {root} has its own split ({', '.join(csvs or folders)}); "
-                           f"set data.val_split=0, or name a folder of class folders only")
+                           + (NO_CSV_VAL if csvs == ["train.csv"] else
+                              f"to hold out part of train/, name it: data.name={root / 'train'}" if folders == ["train/"]
+                              else "set data.val_split=0, or name a folder of class folders only"))
     if val_split == 0 and others:
         raise DatasetError(f"{root}: no train/ folder or train.csv; if its folders are the classes, set data.val_split "
                            f"(e.g. data.val_split=0.2) to hold out that share of each class for val")
@@ -338,7 +341,7 @@ def csv_datasets(root, train_transform, val_transform, loader, allow_outside=Fal
     """The train and val sets a CSV root lists: train.csv and the first of val.csv, valid.csv and test.csv; rank 0
     warns of images listed in both. allow_outside (data.csv_allow_outside): accept paths outside root."""
     train_csv = root / "train.csv"
-    val_csv = first_present(root, [f"{name}.csv" for name in VAL_NAMES], "beside train.csv")
+    val_csv = first_present(root, [f"{name}.csv" for name in VAL_NAMES], f"beside train.csv; {NO_CSV_VAL}")
     train_set = csv_dataset(train_csv, train_transform, loader, allow_outside=allow_outside)
     val_set = csv_dataset(val_csv, val_transform, loader, train_set.classes, f"has no training images in {train_csv}",
                           allow_outside, train_set.label_bar)  # split as train.csv is: a val.csv may have no '|'
@@ -414,8 +417,8 @@ def check_inside(csv_file, rows, names):
     if outside:
         (line, path, _), more = rows[outside[0]], f" ({len(outside)} of its {len(rows)} paths are)"
         raise DatasetError(f"{csv_file}, line {line}: {path} lies outside the CSV's folder, {csv_file.parent}"
-                           f"{more if len(outside) > 1 else ''}; list images inside it, or set "
-                           f"data.csv_allow_outside=true to read paths outside it")
+                           f"{more if len(outside) > 1 else ''}; list images inside it, or read paths "
+                           f"outside it with data.csv_allow_outside=true")
 
 
 def repeated_rows(csv_file, rows, names):

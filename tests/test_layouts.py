@@ -244,6 +244,17 @@ def test_val_split_where_the_root_has_its_own_split_or_none_given_says_what_to_d
     csvs = csv_root(tmp_path / "csvs", "test")
     with pytest.raises(DatasetError, match=r"has its own split \(train.csv, test.csv\)"):
         build_datasets(csvs, None, None, hold_out=HoldOut(0.2))
+    shutil.rmtree(folders / "val")  # train/ alone: the way is to name it
+    with pytest.raises(DatasetError) as e:
+        build_datasets(folders, None, None, hold_out=HoldOut(0.2))
+    assert str(e.value) == (f"data.val_split=0.2: {folders} has its own split (train/); to hold out part of train/, "
+                            f"name it: data.name={folders / 'train'}")
+    assert len(build_datasets(folders / "train", None, None, hold_out=HoldOut(0.2))[1]) == len(CLASSES)  # 1 of 6
+    (csvs / "test.csv").unlink()  # train.csv alone: a CSV lists its val images
+    with pytest.raises(DatasetError) as e:
+        build_datasets(csvs, None, None, hold_out=HoldOut(0.2))
+    assert str(e.value) == (f"data.val_split=0.2: {csvs} has its own split (train.csv); list the images to validate "
+                            f"on in val.csv (path,label): data.val_split holds out class folders' images only")
     plain = class_folders(tmp_path / "plain", 2)
     with pytest.raises(DatasetError) as e:
         build_datasets(plain, None, None)
@@ -290,7 +301,9 @@ def test_csv_errors_name_the_file_and_the_line(tmp_path):
     assert error(val_csv, [*val_rows, (val_rows[0][0], "hotdog")]) == (
         f"{val_csv}, line {len(val_rows) + 2}: label 'hotdog' has no training images in {train_csv}")
     val_csv.unlink()
-    assert error(root / "other.csv", []) == f"{root}: no val.csv, valid.csv or test.csv beside train.csv"
+    assert error(root / "other.csv", []) == (f"{root}: no val.csv, valid.csv or test.csv beside train.csv; list the "
+                                             f"images to validate on in val.csv (path,label): data.val_split holds "
+                                             f"out class folders' images only")
 
 
 def test_a_bad_csv_stops_train_with_one_line_and_no_run_dir(tmp_path, capsys):
@@ -388,7 +401,7 @@ def test_csv_paths_outside_its_folder_are_refused_unless_the_recipe_allows_them(
         with pytest.raises(DatasetError) as e:
             build_datasets(root, None, None)
         assert str(e.value) == (f"{train_csv}, line {len(rows) + 2}: {path} lies outside the CSV's folder, {root}; "
-                                f"list images inside it, or set data.csv_allow_outside=true to read paths outside it")
+                                f"list images inside it, or read paths outside it with data.csv_allow_outside=true")
         train_set, _ = build_datasets(root, None, None, allow_outside=True)
         assert train_set.samples[-1] == (str(outside), 1) or os.path.samefile(train_set.samples[-1][0], outside)
     write_csv(train_csv, [*rows, ("images/./train0//000.png", "crème brûlée")])  # inside, spelled oddly: a repeat

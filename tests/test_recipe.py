@@ -161,10 +161,25 @@ def test_missing_recipe_lists_available(tmp_path):
         load_recipe(str(tmp_path))
 
 
-def test_invalid_yaml_names_file(tmp_path):
-    path = write(tmp_path / "r.yaml", "optim: {lr: [\n")
-    with pytest.raises(RecipeError, match="invalid YAML"):
+def test_invalid_yaml_names_file_line_and_column_and_a_key_given_twice_is_refused(tmp_path):
+    path = write(tmp_path / "r.yaml", "optim:\n  lr: 0.1\n  momentum 0.9\n")
+    with pytest.raises(RecipeError) as e:
         load_recipe(str(path))
+    assert str(e.value) == (f"{path}, line 3, column 3: invalid YAML: while scanning a simple key, could not find "
+                            f"expected ':'\n      momentum 0.9\n      ^")
+    write(path, "train:\n  epochs: 3\ntrain:\n  batch_size: 8\n")  # PyYAML would keep the second section alone
+    with pytest.raises(RecipeError) as e:
+        load_recipe(str(path))
+    assert str(e.value).splitlines()[0] == (f"{path}, line 3, column 1: invalid YAML: 'train' is given twice in one "
+                                            f"mapping (the second would replace the first: merge them)")
+
+
+def test_a_missing_base_is_named_with_the_recipe_that_asked_for_it_and_where_it_was_looked_for(tmp_path):
+    path = write(tmp_path / "r.yaml", {"base": "nothere.yaml"})
+    with pytest.raises(RecipeError) as e:
+        load_recipe(str(path))
+    assert str(e.value).startswith(f"{path}: base: recipe 'nothere.yaml' not found in {tmp_path} or in "
+                                   f"{RECIPES_DIR} (available: cifar10")
 
 
 def test_base_recipe_is_merged_under_the_child(tmp_path):
@@ -212,8 +227,10 @@ def test_base_is_found_next_to_the_recipe_before_the_current_directory(tmp_path,
 
 def test_resume_may_change_only_what_cannot_change_the_run_so_far():
     saved = OmegaConf.to_container(load_recipe("cls.yaml"))
-    cfg = load_resumed_recipe(saved, ["train.epochs=20", "data.workers=2", "project=elsewhere"])
+    cfg = load_resumed_recipe(saved, ["train.epochs=20", "data.workers=2", "project=elsewhere",
+                                      "data.skip_corrupt=true"])  # what an unreadable image's line says to set
     assert cfg.train.epochs == 20 and cfg.data.workers == "2" and cfg.optim.lr == saved["optim"]["lr"]
+    assert cfg.data.skip_corrupt
     with pytest.raises(RecipeError, match=r"command line: optim.lr=0.5 cannot change on resume: the run so far was "
                                           rf"trained with optim.lr={saved['optim']['lr']}; only train.epochs, .* may change"):
         load_resumed_recipe(saved, ["optim.lr=0.5"])

@@ -4,6 +4,7 @@ and skips unreadable images by name, export.py writes TorchScript and ONNX model
 import csv
 import importlib.util
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -120,6 +121,24 @@ def test_val_on_data_with_an_unreadable_image_names_its_own_flag_which_leaves_th
     metrics = val.main([*args, "--skip-corrupt"])
     assert metrics["val/samples"] == 4
     assert f"skipping 1 unreadable image(s) (--skip-corrupt):\n  {bad}: not an image format" in log.text
+
+
+@pytest.mark.slow
+def test_val_on_a_csv_listing_images_outside_its_folder_names_its_own_flag_which_reads_them(best, tmp_path, capfd):
+    weights, _ = best
+    root = tmp_path / "csv"
+    root.mkdir()
+    rows = [(os.path.relpath(path, root), digit)
+            for digit in ("3", "7") for path in sorted((VAL_DIR / digit).iterdir())[:2]]
+    (root / "val.csv").write_text("path,label\n" + "".join(f"{path},{label}\n" for path, label in rows))
+    args = ["--weights", str(weights), "--data", str(root), "--project", str(tmp_path / "v")]
+    with pytest.raises(SystemExit) as exit_:
+        val.main(args)
+    assert exit_.value.code == 2
+    assert capfd.readouterr().err.splitlines()[-1] == (
+        f"val.py: error: {root / 'val.csv'}, line 2: {rows[0][0]} lies outside the CSV's folder, {root} (4 of its 4 "
+        f"paths are); list images inside it, or read paths outside it with --csv-allow-outside")
+    assert val.main([*args, "--csv-allow-outside"])["val/samples"] == 4
 
 
 @pytest.mark.slow

@@ -151,7 +151,7 @@ class Recipe:
 # What a resumed run may change: none of these changes what the run has trained so far.
 RESUME_KEYS = ("train.epochs", "train.patience", "train.save_every_steps", "train.log_every_steps", "train.accumulate",
                "train.hang_seconds",
-               "train.compile", "train.channels_last", "data.workers", "ddp.bucket_cap_mb",
+               "train.compile", "train.channels_last", "data.workers", "data.skip_corrupt", "ddp.bucket_cap_mb",
                "ddp.gradient_as_bucket_view", "device", "project", "name", "log.to", "log.weights", "log.required",
                "log.plots")
 # Not ddp.comm_hook: like train.precision it changes every gradient's value (bf16 keeps 8 bits of it), not only the
@@ -231,15 +231,42 @@ def find_recipe(recipe, relative_to=None):
     if (folders[0] / recipe).is_dir():
         raise RecipeError(f"recipe '{recipe}' is a folder; give a recipe file in it, or the name of one in "
                           f"{RECIPES_DIR} ({available})")
-    raise RecipeError(f"recipe '{recipe}' not found as a path or in {RECIPES_DIR} (available: {available})")
+    where = f"in {folders[0]}" if relative_to is not None else "as a path"
+    raise RecipeError(f"recipe '{recipe}' not found {where} or in {RECIPES_DIR} (available: {available})")
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping, which PyYAML lets the later silently replace
+    (a recipe's second 'train:' section would drop the first's keys)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.MarkedYAMLError(problem=f"{key!r} is given twice in one mapping (the second would replace "
+                                                   f"the first: merge them)", problem_mark=key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(path):
+    """The YAML file at path, parsed (duplicate keys refused); an error names the file, line and column."""
+    try:
+        return yaml.load(Path(path).read_text(), UniqueKeyLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.context_mark or e.problem_mark
+        what = ", ".join(filter(None, (e.context, e.problem)))
+        snippet = f"\n{mark.get_snippet()}" if mark.buffer else ""
+        raise RecipeError(f"{path}, line {mark.line + 1}, column {mark.column + 1}: invalid YAML: {what}{snippet}"
+                          ) from None
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: invalid YAML: {e}") from None
 
 
 def read_yaml(path):
     """Parse a recipe file into a dict, with errors that name the file."""
-    try:
-        content = yaml.safe_load(Path(path).read_text()) or {}
-    except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: invalid YAML: {e}") from None
+    content = load_yaml(path) or {}
     if not isinstance(content, dict):
         raise RecipeError(f"{path}: a recipe must be a mapping of keys to values, got {type(content).__name__}")
     return content
@@ -256,7 +283,11 @@ def recipe_layers(path, seen=()):
     if base is not None:
         if not isinstance(base, str):
             raise RecipeError(f"{path}: base must be a recipe name or path, got {base!r}")
-        layers = recipe_layers(find_recipe(base, relative_to=path.parent), (*seen, path))
+        try:
+            found = find_recipe(base, relative_to=path.parent)
+        except RecipeError as e:
+            raise RecipeError(f"{path}: base: {e}") from None
+        layers = recipe_layers(found, (*seen, path))
     return [*layers, (str(path), content)]
 
 
