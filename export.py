@@ -18,7 +18,7 @@ import json
 import warnings
 from pathlib import Path
 
-from utils.general import LOGGER, UsageError, after_imports, before_imports, colorstr, script
+from utils.general import LOGGER, UsageError, after_imports, before_imports, colorstr, quiet_ctrl_c, script
 
 if __name__ == "__main__":  # no collection during the imports below (utils/general.before_imports)
     before_imports()
@@ -170,4 +170,5 @@ def check_outputs(model, run, batches, name):
 
 if __name__ == "__main__":
     after_imports()
-    main()
+    with quiet_ctrl_c("export.py"):
+        main()

@@ -16,11 +16,12 @@ import argparse
 import csv
 import glob
 import json
+import shlex
 import sys
 from pathlib import Path
 
 from utils.general import (LOGGER, RANK, UsageError, after_imports, before_imports, colorstr, cpu_count,
-                           format_table, increment_path, save_probabilities)
+                           format_table, increment_path, quiet_ctrl_c, save_probabilities)
 
 if __name__ == "__main__":  # no collection during the imports below (utils/general.before_imports)
     before_imports()
@@ -50,7 +51,8 @@ SHEET_SIZE = 100  # images per contact sheet (10 x 10 thumbnails)
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Classify images with a checkpoint of train.py.")
     parser.add_argument("--weights", required=True, help="checkpoint of train.py (e.g. runs/train/exp/weights/best.pt)")
-    parser.add_argument("--source", required=True, help="an image, a folder (searched recursively) or a glob pattern")
+    parser.add_argument("--source", required=True, nargs="+",
+                        help="images, folders (searched recursively) or glob patterns, one or more")
     parser.add_argument("--topk", type=int, default=5, help="classes reported per image")
     parser.add_argument("--batch-size", type=int, default=32, help="images per forward pass")
     parser.add_argument("--workers", type=int, default=min(4, cpu_count() - 1), help="image-decoding processes")
@@ -83,7 +85,7 @@ def main(argv=None):
         exit_on_error("predict.py", e)
     if skipped and not rows:  # not a usage error (2): the images were found, and the skipped are saved
         if RANK == 0:
-            print(f"predict.py: error: none of the {len(skipped)} image(s) of --source {args.source} could be read "
+            print(f"predict.py: error: none of the {len(skipped)} image(s) of --source {shlex.join(args.source)} could be read "
                   f"(each is named above); nothing was classified", file=sys.stderr)
         sys.exit(1)
     return rows, skipped
@@ -112,9 +114,14 @@ def collate(samples):
     return images, [i for _, i in readable], [(i, reason) for _, i, reason in samples if reason is not None]
 
 
-def list_images(source):
+def list_images(sources):
+    """The image files the sources name, sorted, each once (list_source)."""
+    return sorted({path for source in sources for path in list_source(source)})
+
+
+def list_source(source):
     """The image files source names: one file, a folder's image files (recursively, hidden ones passed over as in
-    training) or a glob's matches (which pass them over too); sorted."""
+    training) or a glob's matches (which pass them over too)."""
     path = Path(source)
     if path.is_file():
         return [path]
@@ -125,7 +132,7 @@ def list_images(source):
                  if p.suffix.lower() in IMG_EXTENSIONS and p.is_file() and not hidden(p, path))
     else:
         files = (Path(p) for p in glob.glob(source, recursive=True) if Path(p).is_file())
-    paths = sorted(files)
+    paths = list(files)
     if not paths:
         raise UsageError(f"--source {source}: no images found; give an image, a folder of images ("
                          f"{', '.join(IMG_EXTENSIONS)}) or a glob such as 'photos/*.jpg'")
@@ -184,7 +191,7 @@ def predict(args):
         LOGGER.info(report(rows, skipped, k))
         if args.save_images:
             name_drawn_copies(save_dir, rows)
-        save_results(save_dir, rows, skipped, k, {"weights": str(args.weights), "source": str(args.source),
+        save_results(save_dir, rows, skipped, k, {"weights": str(args.weights), "source": shlex.join(args.source),
                                                   "tta": args.tta}, args.save_images)
         files = ["predictions.csv", "predictions.json", *(save_images(save_dir, rows) if args.save_images else [])]
         if args.save_probs:
@@ -287,4 +294,5 @@ def unique_name(path, taken):
 
 if __name__ == "__main__":
     after_imports()
-    main()
+    with quiet_ctrl_c("predict.py"):
+        main()

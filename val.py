@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 from utils.general import (LOGGER, RANK, WORLD_SIZE, UsageError, after_imports, before_imports, colorstr,
-                           format_table, in_flags, increment_path, save_probabilities, short_path)
+                           format_table, in_flags, increment_path, quiet_ctrl_c, save_probabilities, short_path)
 
 if __name__ == "__main__":  # no collection during the imports below (utils/general.before_imports)
     before_imports()
@@ -239,4 +239,5 @@ def save_results(save_dir, metrics, classes, run):
 
 if __name__ == "__main__":
     after_imports()
-    main()
+    with quiet_ctrl_c("val.py"):
+        main()

@@ -506,7 +506,7 @@ def test_hidden_files_and_folders_are_never_classes_or_images_and_other_files_le
     assert said[0] == (f"{colorstr('data:')} {root / 'train'}: left out 2 file(s) that are not images by their "
                        f"extension (1 .gif, 1 .txt); images are .jpg, .jpeg, .png, .ppm, .bmp, .pgm, .tif, .tiff, "
                        f".webp")
-    assert predict.list_images(str(first)) == sorted(first.glob("[!.]*.png"))
+    assert predict.list_images([str(first)]) == sorted(first.glob("[!.]*.png"))
     (tmp_path / "only_hidden" / ".git" / "objects").mkdir(parents=True)
     with pytest.raises(DatasetError, match="no train/ folder, train.csv or class folders"):
         build_datasets(tmp_path / "only_hidden", None, None, hold_out=HoldOut(0.2))

@@ -3,6 +3,7 @@
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 
@@ -302,3 +303,21 @@ def test_a_script_piped_into_a_reader_that_is_gone_goes_on_quietly_to_its_end(tm
     result = subprocess.run(["bash", "-o", "pipefail", "-c", f"'{sys.executable}' say.py | true"], cwd=tmp_path,
                             env={**clean_env(), "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
     assert (result.returncode, result.stderr) == (0, "") and (tmp_path / "done").exists()
+
+
+def test_ctrl_c_ends_val_predict_and_export_with_one_line_and_code_130(tmp_path):
+    # Each loads a checkpoint whose torch.load never returns (a hung disk), and is stopped there by Ctrl-C.
+    weights = tmp_path / "best.pt"
+    torch.save({}, weights)
+    hang = ("import runpy, sys, time, torch\ndef hang(*args, **kwargs):\n    print('loading', flush=True)\n"
+            "    time.sleep(60)\ntorch.load = hang\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], "
+            "run_name='__main__')\n")
+    commands = {"val.py": [], "predict.py": ["--source", str(tmp_path)], "export.py": []}
+    processes = {script: subprocess.Popen([sys.executable, "-c", hang, script, "--weights", str(weights), *args],
+                                          cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True) for script, args in commands.items()}
+    for script, process in processes.items():
+        assert process.stdout.readline() == "loading\n", process.communicate(timeout=60)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+        assert (process.returncode, err) == (130, f"\n{script}: stopped by Ctrl-C (SIGINT) before it finished\n")

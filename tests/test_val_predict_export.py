@@ -22,7 +22,7 @@ from data.transforms import normalizer, val_transforms
 from models import model_from_checkpoint
 from utils.checkpoint import load_checkpoint, load_model_checkpoint
 from utils.config import checkpoint_recipe
-from utils.general import DATASETS_DIR
+from utils.general import DATASETS_DIR, UsageError
 
 # requirements-export.txt: without it, `python -m pytest -m cuda` on a GPU machine still runs all but the ONNX tests.
 HAS_ONNX = all(importlib.util.find_spec(name) for name in ("onnx", "onnxscript", "onnxruntime"))
@@ -359,6 +359,18 @@ def test_predict_exits_1_with_one_line_when_no_image_could_be_read(best, tmp_pat
                                                        f"{source} could be read (each is named above); nothing was "
                                                        f"classified")
     assert len(json.loads((tmp_path / "p" / "exp" / "predictions.json").read_text())["skipped"]) == 2
+
+
+def test_predict_takes_several_sources_as_a_shell_gives_an_unquoted_glob_and_lists_each_image_once(tmp_path):
+    paths = [tmp_path / "photos" / "a.png", tmp_path / "photos" / "sub" / "b.png", tmp_path / "other" / "c.jpg"]
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (4, 4)).save(path)
+    sources = [str(paths[0]), str(tmp_path / "photos"), str(tmp_path / "other" / "*.jpg")]  # a.png twice
+    args = predict.parse_args(["--weights", "best.pt", "--source", *sources, "--topk", "1"])
+    assert predict.list_images(args.source) == sorted(paths)
+    with pytest.raises(UsageError, match=f"^--source {tmp_path / 'gone.png'}: no such file or folder$"):
+        predict.list_images([*sources, str(tmp_path / "gone.png")])
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """General helpers shared by every script: paths, logging, the errors reported as one line, run directories."""
 
+import contextlib
 import gc
 import logging
 import os
@@ -73,6 +74,18 @@ def after_imports():
     objects made from here on. The imports' few thousand garbage objects are kept with them (a few MB)."""
     gc.freeze()
     gc.enable()
+
+
+@contextlib.contextmanager
+def quiet_ctrl_c(script):
+    """For val.py, predict.py and export.py: Ctrl-C ends the command with one line and code 130 (128 + SIGINT), as
+    train.py's does, not with a KeyboardInterrupt traceback (from every process, under torchrun)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if LOCAL_RANK == 0:
+            print(f"\n{script}: stopped by Ctrl-C (SIGINT) before it finished", file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGINT)
 
 
 def end_on_interrupt(signum, frame=None):
