@@ -44,7 +44,8 @@ class ExportMismatch(Exception):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Export a checkpoint of train.py to TorchScript or ONNX.")
     parser.add_argument("--weights", required=True, help="checkpoint of train.py (e.g. runs/train/exp/weights/best.pt)")
-    parser.add_argument("--format", nargs="+", default=["torchscript"], choices=list(SUFFIXES), help="formats")
+    parser.add_argument("--format", nargs="+", default=["onnx"], choices=list(SUFFIXES),
+                        help="one or more (default: onnx; torchscript needs no extra package, but torch deprecates it)")
     parser.add_argument("--dynamic-batch", action="store_true", help="accept any batch size (else --batch-size only)")
     parser.add_argument("--batch-size", type=int, default=1, help="batch size of the exported model's input")
     return parser.parse_args(argv)

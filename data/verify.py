@@ -3,6 +3,7 @@ once before training, shared out over ranks and threads, with the results cached
 
 import json
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,7 +25,13 @@ BACKGROUND = (255, 255, 255)  # what transparent pixels show: white, as on a web
 def decode(path):
     """A fully decoded RGB image as a person sees the file: turned upright as its EXIF orientation says (cameras
     store portraits sideways), then made RGB by to_rgb."""
-    with Image.open(path) as image:
+    try:
+        image = Image.open(path)
+    except UnidentifiedImageError:
+        if os.path.getsize(path) == 0:  # PIL calls it an unknown format
+            raise OSError("an empty file, 0 bytes") from None
+        raise
+    with image:
         ImageOps.exif_transpose(image, in_place=True)  # reads and decodes the pixels (Image.open read the header)
         return to_rgb(image)
 
@@ -47,6 +54,9 @@ def unreadable_reason(error):
     """Why PIL could not read a file, in a few words (its own message for an unknown format repeats the path)."""
     if isinstance(error, UnidentifiedImageError):
         return "not an image format PIL can identify"
+    if isinstance(error, Image.DecompressionBombError) and len(sizes := re.findall(r"\d+", str(error))) == 2:
+        return (f"{int(sizes[0]):,} pixels, over PIL's limit of {int(sizes[1]):,} for one image, a guard against "
+                f"decompression bombs")
     return str(error) or type(error).__name__
 
 

@@ -8,6 +8,7 @@ import re
 import socket
 
 import pytest
+from PIL import Image
 
 import data.verify
 import train
@@ -74,14 +75,22 @@ def test_empty_class_folders_are_each_named(image_folder):
     assert str(e.value).endswith("; add images to each class folder or remove the empty one(s)")
 
 
-def test_unreadable_image_is_named_with_its_reason_and_the_way_past_it(image_folder):
+def test_unreadable_image_is_named_with_its_reason_and_the_way_past_it(image_folder, monkeypatch):
     root = image_folder({"train": {"ant": 2, "bee": 1}, "val": {"ant": 1}})
     truncated = truncate(root / "train" / "ant" / "001.png")
     garbage = random_bytes(root / "train" / "bee" / "garbage.jpg")
+    empty = root / "train" / "bee" / "empty.png"
+    empty.touch()
+    huge = root / "train" / "bee" / "huge.png"
+    Image.new("L", (100, 50)).save(huge)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 2000)  # PIL refuses more than twice as many: huge.png's 5,000
     train_set, _ = build_datasets(root, None, None)
     samples = [path for path, _ in train_set.samples]
     assert train_set[samples.index(str(root / "train" / "ant" / "000.png"))][0].mode == "RGB"
-    for path, reason in ((truncated, "image file is truncated"), (garbage, "not an image format PIL can identify")):
+    for path, reason in ((truncated, "image file is truncated"), (garbage, "not an image format PIL can identify"),
+                         (empty, "an empty file, 0 bytes"),
+                         (huge, "5,000 pixels, over PIL's limit of 4,000 for one image, a guard against "
+                                "decompression bombs")):
         with pytest.raises(ImageError) as e:
             train_set[samples.index(str(path))]
         assert str(e.value) == (f"{path}: unreadable image ({reason}); remove the file, or skip unreadable images "

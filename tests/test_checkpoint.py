@@ -133,7 +133,8 @@ def test_resume_refuses_a_checkpoint_whose_pickle_would_run_code(tmp_path, capsy
     code, err = resume(capsys, tmp_path / "evil.pt")
     assert code == 2 and not marker.exists()
     assert "evil.pt: refused: it holds Python objects, not only tensors and plain values, and loading it could run " \
-           "code (torch.load with weights_only=True: Trying to load unsupported GLOBAL posix.system" in err
+           "code (torch.load with weights_only=True: it names posix.system); a model saved whole, torch.save(model), " \
+           "is one: save its weights, torch.save(model.state_dict(), PATH)\n" in err
 
 
 def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -278,3 +279,11 @@ def test_checkpoints_name_the_best_score_and_its_metric_and_an_older_best_top1_s
     resumed = train_state(cfg)
     restore(resumed, tmp_path / "last.pt", ckpt, ["a", "b"], cfg.train.epochs)
     assert (resumed.best_score, resumed.best_epoch, resumed.epoch, resumed.step) == (0.75, 1, 1, 3)
+
+
+def test_a_stop_says_the_step_it_saved_or_that_it_saved_after_a_validated_epoch(tmp_path):
+    resume = f"Resume with:\n  python train.py --resume {tmp_path}"
+    assert utils.run.stopped_message(tmp_path, 5, 9, 9) == (  # the epoch's last step, before its validation
+        f"\nStopped at epoch 6, step 9/9; saved {tmp_path / 'weights' / 'last.pt'}. {resume}")
+    assert utils.run.stopped_message(tmp_path, 6, 0, 9) == (  # a signal during epoch 6's validation: train.py
+        f"\nStopped after epoch 6 and its validation; saved {tmp_path / 'weights' / 'last.pt'}. {resume}")

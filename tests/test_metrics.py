@@ -27,6 +27,7 @@ def test_confusion_matrix_per_class_counts_and_misclassified_images_of_known_log
         expected[target, order[0]] += 1
     assert torch.equal(metrics["confusion"], expected)
     assert metrics["val/top1"] == 2 / 7 and metrics["val/samples"] == 7
+    assert metrics["val/balanced_top1"] == (1 / 3 + 1) / 5  # classes 0, 1, 2, 3, 5; in float64, as top-1 is
     images, predicted, correct, top5 = metrics["class_counts"].tolist()
     assert images == [3, 1, 1, 1, 0, 1] and predicted == [3, 1, 1, 1, 0, 1] and correct == [1, 0, 0, 1, 0, 0]
     # top-5 hits: all but the two samples whose class is ranked 6th (the fourth and the last).

@@ -3,6 +3,7 @@ a training run's state saved into one and restored from it."""
 
 import math
 import pickle
+import re
 import zipfile
 from pathlib import Path
 
@@ -42,10 +43,11 @@ def load_checkpoint(path, device="cpu"):
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError as e:
-        lines = [line.strip() for line in str(e).splitlines()]
-        reason = next((line for line in lines if "GLOBAL" in line or line.startswith("Unsupported")), lines[0])
+        named = re.search(r"GLOBAL ([\w.]+)", str(e))  # torch's advice to allow it would give the file a way in
+        reason = f"it names {named[1]}" if named else str(e).strip().splitlines()[0]
         raise UsageError(f"{path}: refused: it holds Python objects, not only tensors and plain values, and loading "
-                         f"it could run code (torch.load with weights_only=True: {reason})") from None
+                         f"it could run code (torch.load with weights_only=True: {reason}); a model saved whole, "
+                         f"torch.save(model), is one: save its weights, torch.save(model.state_dict(), PATH)") from None
     except (RuntimeError, EOFError, OSError) as e:
         raise UsageError(f"{path}: not a readable checkpoint ({str(e).strip().splitlines()[0]})") from None
 

@@ -60,7 +60,7 @@ def evaluate(model, loader, normalize, num_classes, device, dtype=None, keep_wro
         raise RuntimeError("the validation set is empty")
     present = counts[0] > 0  # a class without val images has no recall; it does not count
     return {"val/loss": totals[0].item() / n, "val/top1": counts[2].sum().item() / n,
-            "val/balanced_top1": (counts[2][present] / counts[0][present]).mean().item(),
+            "val/balanced_top1": (counts[2][present].double() / counts[0][present]).mean().item(),
             "val/top5": counts[3].sum().item() / n if num_classes >= 5 else None, "val/samples": n,
             "class_counts": counts, "confusion": totals[1 + 4 * c :].long().view(c, c) if len(confusion) else None,
             "wrong": wrong, "probs": probs, "targets": targets}

@@ -219,5 +219,5 @@ def end_stopped(logger, run_dir, epoch, step, steps):
 
 def stopped_message(run_dir, epoch, step, steps):
     """What to say when every rank agreed to stop on a signal and last.pt holds where the run is."""
-    return (f"\nStopped at epoch {epoch + 1 if step else epoch}, step {step or steps}/{steps}; saved "
-            f"{run_dir / 'weights' / 'last.pt'}. Resume with:\n  {resume_command(run_dir)}")
+    where = f"at epoch {epoch + 1}, step {step}/{steps}" if step else f"after epoch {epoch} and its validation"
+    return (f"\nStopped {where}; saved {run_dir / 'weights' / 'last.pt'}. Resume with:\n  {resume_command(run_dir)}")
