@@ -85,8 +85,8 @@ def main(argv=None):
         exit_on_error("predict.py", e)
     if skipped and not rows:  # not a usage error (2): the images were found, and the skipped are saved
         if RANK == 0:
-            print(f"predict.py: error: none of the {len(skipped)} image(s) of --source {shlex.join(args.source)} could be read "
-                  f"(each is named above); nothing was classified", file=sys.stderr)
+            print(f"predict.py: error: none of the {len(skipped)} image(s) of --source {shlex.join(args.source)} "
+                  f"could be read (each is named above); nothing was classified", file=sys.stderr)
         sys.exit(1)
     return rows, skipped
 

@@ -29,7 +29,8 @@ from utils.once import atomic_write
 FOLDERS, CSV_FILES, CLASS_FOLDERS = "folders", "csv", "class folders"  # the layouts find_layout tells apart
 VAL_NAMES = ("val", "valid", "test")  # a root's val split, the first present (Roboflow and Kaggle export 'valid')
 SPLIT_NAMES = ("train", *VAL_NAMES)  # folders or CSVs (NAME.csv) that make a root a split one
-NO_CSV_VAL = "list the images to validate on in val.csv (path,label): data.val_split holds out class folders' images only"
+NO_CSV_VAL = ("list the images to validate on in val.csv (path,label): data.val_split holds out class folders' "
+              "images only")
 SPLIT_FILE = "split.json"  # in the run directory: data.val_split's file lists
 LISTS = ("train", "val")  # the file lists split.json holds
 
@@ -238,9 +239,10 @@ def find_layout(root, val_split=None):
                            f"out for val)")
     if val_split and not others:
         raise DatasetError(f"data.val_split={val_split}: {root} has its own split ({', '.join(csvs or folders)}); "
-                           + (NO_CSV_VAL if csvs == ["train.csv"] else
-                              f"to hold out part of train/, name it: data.name={root / 'train'}" if folders == ["train/"]
-                              else "set data.val_split=0, or name a folder of class folders only"))
+                           + (NO_CSV_VAL if csvs == ["train.csv"]
+                              else f"to hold out part of train/, name it: data.name={root / 'train'}"
+                              if folders == ["train/"] else "set data.val_split=0, or name a folder of class folders "
+                              "only"))
     if val_split == 0 and others:
         raise DatasetError(f"{root}: no train/ folder or train.csv; if its folders are the classes, set data.val_split "
                            f"(e.g. data.val_split=0.2) to hold out that share of each class for val")

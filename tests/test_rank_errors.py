@@ -22,15 +22,17 @@ RECIPE = ["--recipe", "cls.yaml", "train.epochs=1", "train.batch_size=4", "model
 
 
 def two_nodes(tmp_path, args, node1_args, node1_fault=None, nproc=2, timeout=240):
-    """train.py on two torchrun agents of nproc processes each (with 2: ranks 0-1 on node 0, 2-3 on node 1), node 1
-    with node1_args added and run through tests/faults.py with node1_fault; [(exit code, output)] of each agent."""
+    """train.py on two torchrun agents of nproc processes each (with 2: ranks 0-1 on node 0, 2-3 on node 1; a pair:
+    each node's), node 1 with node1_args added and run through tests/faults.py with node1_fault; [(exit code,
+    output)] of each agent."""
     port = free_port()
     nodes = []
     for node in (0, 1):
         script = ["tests/faults.py", node1_fault, "train.py"] if node and node1_fault else ["train.py"]
         nodes.append(subprocess.Popen(
             [sys.executable, "-c", TORCHRUN, "--nnodes=2", f"--node_rank={node}",
-             f"--nproc_per_node={nproc}", "--master-addr=127.0.0.1", f"--master-port={port}", *script, *args,
+             f"--nproc_per_node={nproc[node] if isinstance(nproc, tuple) else nproc}", "--master-addr=127.0.0.1",
+             f"--master-port={port}", *script, *args,
              *(node1_args if node else []), f"project={tmp_path / 'runs'}"], cwd=ROOT, env=clean_env(),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
@@ -178,3 +180,23 @@ def test_a_ranks_unexpected_error_is_recorded_for_the_others_to_say_before_it_ra
         distributed.stop_if_another_rank_failed("train.py")  # returns: the caller raises
     assert store.check(["error/0"]) and json.loads(store.get("error/0"))["line"] == "RuntimeError: an unexpected error"
     assert distributed.first_failure(store) == 0 and distributed._job["failed_here"]
+
+
+@pytest.mark.slow
+def test_machines_started_with_other_overrides_or_process_counts_are_refused_before_any_work(tmp_path):
+    # Either trained on, rank 0's machine ending normally with weights the ranks' diverging schedules had spoilt, or
+    # waited for a machine its count never included, for the watchdog to blame a healthy rank.
+    args = ["--recipe", "cls.yaml", "train.epochs=2"]
+    differ = (f"the ranks were started with different recipes: rank 1 on {HOST} has train.epochs=3, rank 0 on {HOST} "
+              f"train.epochs=2 (and 1 other key(s)); start every machine with the same command")
+    for nproc, node1_args, line in (
+            (1, ["optim.lr=0.05", "train.epochs=3", "data.workers=0"], differ),  # data.workers: each machine's own
+            ((2, 1), [], f"every machine must run the same number of processes (torchrun's --nproc_per_node): {HOST} "
+                         f"runs 2 (ranks 0-1), {HOST} runs 1 (rank 2); start each machine's torchrun with the same "
+                         f"--nproc_per_node")):
+        node1_first = 1 if nproc == 1 else 2
+        nodes = two_nodes(tmp_path, args, node1_args, nproc=nproc, timeout=120)
+        for (code, output), said in zip(nodes, ("", f"rank {node1_first} on {HOST}: ")):  # once on each console
+            assert code != 0 and error_lines(output) == [f"train.py: error: {said}{line}"], output[-3000:]
+            assert "]: Traceback" not in output and "epoch 1/2" not in output  # no rank's traceback
+        assert not (tmp_path / "runs").exists()

@@ -154,6 +154,10 @@ RESUME_KEYS = ("train.epochs", "train.patience", "train.save_every_steps", "trai
                "train.compile", "train.channels_last", "data.workers", "data.skip_corrupt", "ddp.bucket_cap_mb",
                "ddp.gradient_as_bucket_view", "device", "project", "name", "log.to", "log.weights", "log.required",
                "log.plots")
+# Keys that may differ between machines, each its own: where it finds the data (data/layouts.listed_alike checks
+# that every rank lists the same images) and keeps its caches, and its device and workers. Every other key must be
+# rank 0's on every rank (utils/run.check_same_recipe).
+MACHINE_KEYS = ("device", "data.name", "data.workers", "data.cache_dir", "data.shard_cache_gb")
 # Not ddp.comm_hook: like train.precision it changes every gradient's value (bf16 keeps 8 bits of it), not only the
 # order of fp32 sums, so a run resumed with another hook would not be the run it continues.
 

@@ -17,8 +17,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from utils.general import (LOCAL_RANK, LOCAL_WORLD_SIZE, RANK, RESTART_COUNT, SHARE_ONE_GPU, WORLD_SIZE, SharedError,
-                           UsageError, error_line, in_flags)
+from utils.general import (LOCAL_RANK, LOCAL_WORLD_SIZE, MACHINE, RANK, RESTART_COUNT, SHARE_ONE_GPU, WORLD_SIZE,
+                           SharedError, UsageError, error_line, in_flags)
 from utils.torch_utils import TORCH_MINIMUM, check_version, de_parallel
 from utils.watchdog import (GONE, LEFT, Watchdog, collective, hung_line, identity, limit, on_this_machine, proc_start,
                             published)
@@ -59,7 +59,8 @@ def run_failure_actions():
 
 def exit_on_error(script, error, flags=None):
     """End this rank on a UsageError with code 2 and one line: rank 0 says its own; another rank says its own, naming
-    itself and its machine, unless rank 0 says the same (an error every rank meets is said once). Under torchrun the
+    itself and its machine, unless rank 0 says the same (an error every rank meets is said once a machine: by rank 0,
+    and on each other machine by its first rank, whose console shows no other). Under torchrun the
     error is first recorded in the job's store, where every other rank finds it (watch_failures). flags: for a script
     whose options are not train.py's recipe keys, {recipe key: its option} (val.py: {'data.name': '--data'}), so that
     a line from the shared data code names what the user typed (utils.general.in_flags)."""
@@ -77,7 +78,7 @@ def exit_on_error(script, error, flags=None):
     if store is not None:
         record_failure(store, line, seconds)
     own = f"{script}: error: {line}" if RANK == 0 else f"{script}: error: rank {RANK} on {HOST}: {line}"
-    if RANK != 0 and said_by_rank0(store, error, line):
+    if RANK != 0 and (MACHINE == 0 or LOCAL_RANK != 0) and said_by_rank0(store, error, line):  # once a machine
         record_for_torchrun(own, seconds)  # not said twice, but torchrun's summary of this rank still shows its line
     else:
         say(own, seconds)
@@ -360,6 +361,20 @@ def setup_distributed():
         _job.update(stop=threading.Event(), said=threading.Lock(), failed_here=False, ending=False, ended=None)
         threading.Thread(target=watch_failures, args=(os.path.basename(sys.argv[0]), _job["store"], _job["stop"]),
                          name="watch_failures", daemon=True).start()
+        check_same_layout()
+
+
+def check_same_layout():
+    """Refuse machines that run different numbers of processes (torchrun allows it): a machine's ranks are counted
+    from LOCAL_WORLD_SIZE (Topology), which holds only where every machine runs as many, and work shared once per
+    machine would wait for a machine that is never counted."""
+    places = gather_object((HOST, LOCAL_RANK, LOCAL_WORLD_SIZE))
+    machines = [(rank, host, n) for rank, (host, local_rank, n) in enumerate(places) if local_rank == 0]
+    if len({n for *_, n in machines}) > 1:
+        runs = ", ".join(f"{host} runs {n} ({f'ranks {rank}-{rank + n - 1}' if n > 1 else f'rank {rank}'})"
+                         for rank, host, n in machines)
+        raise SharedError(f"every machine must run the same number of processes (torchrun's --nproc_per_node): "
+                          f"{runs}; start each machine's torchrun with the same --nproc_per_node")
 
 
 def job_store():

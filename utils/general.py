@@ -17,6 +17,7 @@ RANK = int(os.getenv("RANK", 0))  # global rank
 WORLD_SIZE = int(os.getenv("WORLD_SIZE", 1))  # processes in the whole job
 LOCAL_RANK = int(os.getenv("LOCAL_RANK", 0))
 LOCAL_WORLD_SIZE = int(os.getenv("LOCAL_WORLD_SIZE", 1))  # processes on this machine
+MACHINE = int(os.getenv("GROUP_RANK", 0))  # this machine's number (torchrun's node rank)
 RESTART_COUNT = int(os.getenv("TORCHELASTIC_RESTART_COUNT", 0))  # > 0: torchrun restarted the workers after a failure
 # Tests only: the processes on a machine share GPU 0 over gloo (nccl refuses two ranks on one GPU), so the CUDA test
 # lane can run DDP on a machine with one GPU.

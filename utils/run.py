@@ -3,6 +3,8 @@ of the workers, and the commands printed for what comes next (resume, val, predi
 
 import argparse
 import glob
+import hashlib
+import json
 import os
 import shlex
 import shutil
@@ -10,10 +12,13 @@ import socket
 import sys
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
+import utils.distributed
 from utils.checkpoint import find_resume_checkpoint, load_training_checkpoint, run_dir_of
-from utils.config import (Recipe, RecipeError, check_resumable, flag_as_key, keys_help, load_recipe,
-                          load_resumed_recipe, parse_overrides, recipe_to_yaml)
-from utils.distributed import on_rank0, when_failing
+from utils.config import (MACHINE_KEYS, Recipe, RecipeError, check_resumable, flag_as_key, flat_keys, keys_help,
+                          load_recipe, load_resumed_recipe, parse_overrides, recipe_to_yaml)
+from utils.distributed import gather_object, on_rank0, when_failing
 from utils.general import (LOCAL_WORLD_SIZE, LOGGER, RANK, RESTART_COUNT, RUN_ID, WORLD_SIZE, SharedError, UsageError,
                            colorstr, increment_path, script, short_path)
 from utils.metrics import BEST_METRIC_NAMES
@@ -66,10 +71,11 @@ def prepare_run(args, model_check=None, settle=None):
                               "overrides may still extend train.epochs, or change data.workers or device)")
         project = parse_overrides(args.overrides).get("project", Recipe.project)
         run_dir, path, ckpt = on_rank0(read_resume, args.resume, project)
-        cfg = load_resumed_recipe(ckpt["recipe"], args.overrides, source=path, model_check=model_check)
+        cfg = check_same_recipe(load_resumed_recipe(ckpt["recipe"], args.overrides, source=path,
+                                                    model_check=model_check))
         check_unfinished(path, ckpt, cfg.train.epochs)  # before any data is read
         return settle(cfg) if settle else cfg, Path(run_dir), (path, ckpt)
-    cfg = load_recipe(args.recipe or "cls.yaml", args.overrides, model_check=model_check)
+    cfg = check_same_recipe(load_recipe(args.recipe or "cls.yaml", args.overrides, model_check=model_check))
     cfg = settle(cfg) if settle else cfg
     if RESTART_COUNT:  # torchrun restarted the workers after a failure: continue this job's run where it stopped
         run_dir, path, ckpt = on_rank0(read_restarted_run, cfg.project, cfg.name)
@@ -81,6 +87,30 @@ def prepare_run(args, model_check=None, settle=None):
                     f"{'from ' + path if path else 'from the start'}")
         return cfg, run_dir and Path(run_dir), (path, ckpt) if ckpt is not None else None
     return cfg, None, None
+
+
+def check_same_recipe(cfg):
+    """cfg, if every rank holds the same recipe as rank 0 but for MACHINE_KEYS (before settle, whose collectives
+    depend on it): machines started with another override or recipe file would train apart, as DDP averages the
+    gradients of ranks on any schedule. Else a SharedError naming the first key that differs, on the first rank
+    where it does."""
+    recipe = OmegaConf.to_container(cfg)
+    for key in MACHINE_KEYS:  # each machine's own
+        section, _, name = key.rpartition(".")
+        (recipe[section] if section else recipe).pop(name)
+    digests = gather_object(hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest())
+    if len(set(digests)) == 1:
+        return cfg
+    recipes, hosts = zip(*gather_object((recipe, utils.distributed.HOST)))  # every rank saw the same digests
+    rank = next(r for r, digest in enumerate(digests) if digest != digests[0])
+    theirs, rank0s = OmegaConf.create(recipes[rank]), OmegaConf.create(recipes[0])
+    keys = [key for key in flat_keys(recipes[0]) if OmegaConf.select(theirs, key) != OmegaConf.select(rank0s, key)]
+    first = keys[0]
+    value, value0 = OmegaConf.select(theirs, first), OmegaConf.select(rank0s, first)
+    more = f" (and {len(keys) - 1} other key(s))" if len(keys) > 1 else ""
+    raise SharedError(f"the ranks were started with different recipes: rank {rank} on {hosts[rank]} has "
+                      f"{first}={value!r}, rank 0 on {hosts[0]} {first}={value0!r}{more}; start every machine with the "
+                      f"same command")
 
 
 def read_resume(resume, project):
