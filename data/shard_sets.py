@@ -230,6 +230,7 @@ def retried(url, work, error=ImageError, then=RESUME, dns=True, tries=FETCH_TRIE
     not retried, nor (with dns=False) a host name that does not resolve. The last failure is raised as error, naming
     url and data.name and saying what to do then; or, for a server that cannot be reached,
     instead(reason) is returned when given."""
+    start = time.monotonic()
     for attempt in range(tries):
         waiting = threading.Timer(ANSWER_NOTICE, said, [f"{url}: no answer in {ANSWER_NOTICE:g} s; try {attempt + 1} "
                                                         f"of {tries} waits up to {FETCH_TIMEOUT:g} s"])
@@ -257,8 +258,8 @@ def retried(url, work, error=ImageError, then=RESUME, dns=True, tries=FETCH_TRIE
             time.sleep(wait)
     if instead is not None:
         return instead(reason)
-    raise error(f"data.name: {url} cannot be fetched after {tries} tries over "
-                f"{backoff() * (2 ** (tries - 1) - 1):.3g} s ({reason}); {then}")
+    raise error(f"data.name: {url} cannot be fetched after {tries} tries in {time.monotonic() - start:.3g} s "
+                f"({reason}); {then}")
 
 
 def read_json(location, kind, what, fields, cache=None, limit=TOP_BYTES, check=lambda content: None, hosts=(),

@@ -4,6 +4,7 @@ import contextlib
 import csv
 import gc
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -187,6 +188,11 @@ def console_lines(output, start):
     """The lines of output that start with start: what the processes said, without torchrun's summary of a failure,
     which quotes each failed rank's last line again, indented."""
     return [line for line in output.splitlines() if line.startswith(start)]
+
+
+def untimed(line):
+    """line with the seconds that a fetch's tries took, measured, written T ('after 6 tries in T s')."""
+    return re.sub(r"(after \d+ tries in )\d[\d.e+]* s", r"\1T s", line)
 
 
 FIGURE_NAMES = {"mAP": "map", "F1": "f1", "precision": "precision", "recall": "recall", "exact match": "exact_match",

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 import train
 import utils.checkpoint
 import utils.run
+import utils.watchdog
 from conftest import ROOT, clean_env, make_image_folder, run_torchrun
 from models import build_model
 from test_resume import RECIPE, assert_same_run, free_port
@@ -146,6 +147,16 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(utils.once.os, "fsync", full_disk)
     with pytest.raises(UsageError, match="cannot save checkpoint .*last.pt: No space left on device; the previous"):
         save_checkpoint({"epoch": 2}, path)
+    monkeypatch.undo()
+    write = utils.watchdog.PulsingFile.write
+
+    def fill_up(self, data):  # the disk fills mid-save: torch's zip writer raises a RuntimeError over the OSError
+        if self.f.tell() + len(data) > 4096:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return write(self, data)
+    monkeypatch.setattr(utils.watchdog.PulsingFile, "write", fill_up)
+    with pytest.raises(UsageError, match="cannot save checkpoint .*last.pt: No space left on device; the previous"):
+        save_checkpoint({"epoch": 2, "model": {"weight": torch.ones(10_000)}}, path)
     monkeypatch.undo()
     assert load_checkpoint(path) == {"epoch": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]

@@ -26,9 +26,19 @@ def save_checkpoint(state, path):
     try:
         with atomic_write(path) as tmp, open(tmp, "wb") as f:
             torch.save(state, PulsingFile(f))  # a slow disk's long save is not a hang (utils/watchdog.py)
-    except OSError as e:
-        raise UsageError(f"cannot save checkpoint {path}: {e.strerror or e}; the previous checkpoint there, if any, "
-                         f"is intact") from None
+    except (OSError, RuntimeError) as e:
+        error = os_error_behind(e)  # torch's zip writer raises a RuntimeError of its own over a full disk's OSError
+        if error is None:
+            raise
+        raise UsageError(f"cannot save checkpoint {path}: {error.strerror or error}; the previous checkpoint there, "
+                         f"if any, is intact") from None
+
+
+def os_error_behind(error):
+    """error if it is an OSError, else the first OSError it was raised over (its cause or context), else None."""
+    while error is not None and not isinstance(error, OSError):
+        error = error.__cause__ or error.__context__
+    return error
 
 
 def load_checkpoint(path, device="cpu"):
