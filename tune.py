@@ -56,8 +56,8 @@ except ImportError:
     sys.exit("tune.py: error: needs Optuna, an optional extra: pip install -r requirements-tune.txt")
 
 from models import check_model_name
-from utils.config import (RECIPES_DIR, SECTIONS, RecipeError, as_override, best_metric, find_recipe, load_recipe,
-                          load_yaml, schema_leaves)
+from utils.config import (RECIPES_DIR, SECTIONS, RecipeError, as_override, best_metric, find_recipe, flat_keys,
+                          load_recipe, load_yaml, schema_leaves)
 from utils.once import atomic_write
 from utils.trackers import MLflowSweep, first_line, flat_params, sweep_environment
 
@@ -237,16 +237,31 @@ def claim_sweep(args):
         if isinstance(before.get("space"), str):  # written by an earlier tune.py, as the file's text
             before["space"] = yaml.safe_load(before["space"])
         before.setdefault("resolved", OmegaConf.to_container(load_recipe(before["recipe"], before["overrides"])))
-        changed = [key for key in ("resolved", "space", "nproc", "shared", "study") if before[key] != settings[key]]
+        changed = [what_changed(key, before[key], settings[key]) for key in SETTINGS if before[key] != settings[key]]
         if changed:
-            named = ", ".join({"resolved": "recipe (with the overrides)"}.get(key, key) for key in changed)
-            raise UsageError(f"{sweep} holds a sweep of another command (its {named} differ): give another --name, "
+            raise UsageError(f"{sweep} holds a sweep of another command ({'; '.join(changed)}): give another --name, "
                              f"or the command that started it")
         return sweep, before
     (sweep / "logs").mkdir(parents=True, exist_ok=True)
     with atomic_write(sweep / "sweep.yaml") as tmp:
         Path(tmp).write_text(yaml.safe_dump(settings, sort_keys=False))
     return sweep, settings
+
+
+SETTINGS = {"resolved": "the recipe", "space": "the --space file's ranges", "nproc": "--nproc",
+            "shared": "--storage (given or not)", "study": "--study"}  # what a sweep's folder holds it to
+
+
+def what_changed(setting, then, now):
+    """How a setting of a sweep differs from the command's now: the recipe by its first key that differs."""
+    if setting == "space":
+        return f"{SETTINGS[setting]} differ"
+    if setting == "resolved":
+        then, now = OmegaConf.create(then), OmegaConf.create(now)
+        key = next(key for key in flat_keys(OmegaConf.to_container(then))
+                   if OmegaConf.select(then, key) != OmegaConf.select(now, key))
+        setting, then, now = f"the recipe's {key}", OmegaConf.select(then, key), OmegaConf.select(now, key)
+    return f"{SETTINGS.get(setting, setting)}: {then!r} then, {now!r} now"
 
 
 def read_settings(sweep):

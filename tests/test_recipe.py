@@ -7,7 +7,8 @@ import yaml
 from omegaconf import OmegaConf
 
 from models import check_model_name
-from utils.config import RECIPES_DIR, Recipe, RecipeError, load_recipe, load_resumed_recipe, recipe_to_yaml
+from utils.config import (RECIPES_DIR, RESUME_KEYS, Recipe, RecipeError, load_recipe, load_resumed_recipe,
+                          recipe_to_yaml)
 
 
 def write(path, content):
@@ -236,6 +237,13 @@ def test_resume_may_change_only_what_cannot_change_the_run_so_far():
         load_resumed_recipe(saved, ["optim.lr=0.5"])
     with pytest.raises(RecipeError, match="unknown key 'optim.lrr'"):
         load_resumed_recipe(saved, ["optim.lrr=0.5"])
+
+
+def test_docs_name_every_key_a_resume_may_change():
+    listed = (RECIPES_DIR.parent / "docs" / "distributed.md").read_text().split("Overrides may change only")[1]
+    listed = listed.split("; any other override is refused")[0]
+    assert [key for key in RESUME_KEYS if f"`{key}`" not in listed and not key.startswith("log.")] == []
+    assert "`log.*` keys" in listed
 
 
 def test_sync_bn_on_several_processes_needs_drop_last(monkeypatch):

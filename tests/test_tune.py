@@ -449,11 +449,12 @@ def test_a_sweep_goes_on_after_changes_that_keep_its_meaning_and_not_after_other
     space.write_text("# a comment\n" + SPACE.replace("low: 0.02, high: 0.2", "high: 0.2, low: 0.02"))
     assert claim("recipes/cls.yaml", "train.epochs=1") == (sweep, first)  # the same recipe, the same space
     assert claim(str(ROOT / "recipes" / "cls.yaml"), "train.epochs=1", "--name", "cls-space")[0] == sweep
-    with pytest.raises(tune.UsageError, match="holds a sweep of another command \\(its recipe \\(with the "
-                                              "overrides\\) differ\\)"):
-        claim("cls.yaml", "train.epochs=2")
+    with pytest.raises(tune.UsageError) as e:
+        claim("cls.yaml", "train.epochs=2", "--nproc", "2")
+    assert str(e.value) == (f"{sweep} holds a sweep of another command (the recipe's train.epochs: 1 then, 2 now; "
+                            f"--nproc: 1 then, 2 now): give another --name, or the command that started it")
     space.write_text(SPACE.replace("0.2,", "0.3,"))
-    with pytest.raises(tune.UsageError, match="\\(its space differ\\)"):
+    with pytest.raises(tune.UsageError, match="\\(the --space file's ranges differ\\)"):
         claim("cls.yaml", "train.epochs=1")
 
 

@@ -19,6 +19,7 @@ LOCAL_RANK = int(os.getenv("LOCAL_RANK", 0))
 LOCAL_WORLD_SIZE = int(os.getenv("LOCAL_WORLD_SIZE", 1))  # processes on this machine
 MACHINE = int(os.getenv("GROUP_RANK", 0))  # this machine's number (torchrun's node rank)
 RESTART_COUNT = int(os.getenv("TORCHELASTIC_RESTART_COUNT", 0))  # > 0: torchrun restarted the workers after a failure
+MAX_RESTARTS = int(os.getenv("TORCHELASTIC_MAX_RESTARTS", 0))  # torchrun's --max-restarts
 # Tests only: the processes on a machine share GPU 0 over gloo (nccl refuses two ranks on one GPU), so the CUDA test
 # lane can run DDP on a machine with one GPU.
 SHARE_ONE_GPU = os.getenv("SHARE_ONE_GPU_FOR_TESTS") == "1"

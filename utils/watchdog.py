@@ -20,7 +20,7 @@ import os
 import time
 from contextlib import contextmanager
 
-from utils.general import RANK, WORLD_SIZE
+from utils.general import MAX_RESTARTS, RANK, RESTART_COUNT, WORLD_SIZE
 
 HANG_SECONDS = float(os.getenv("CLS_HANG_SECONDS", 60))  # until train.hang_seconds is read (start-up); tests lower it
 CHECK_SECONDS = 1.0  # how often a watch thread reads the other ranks' places and signs of life, at most
@@ -289,5 +289,12 @@ def hung_line(why, place, frozen):
     where = f"at {place['doing']}" if isinstance(place, dict) and place["place"] is not None else \
         "starting up"
     limit_set = "" if why == GONE else "train.hang_seconds sets the limit; "
-    return (f"{why}, {'last seen' if frozen else 'stuck'} {where}; the job ends here ({limit_set}"
+    return (f"{why}, {'last seen' if frozen else 'stuck'} {where}; {after_failure()} ({limit_set}"
             f"docs/troubleshooting.md says what to look at)")
+
+
+def after_failure():
+    """What becomes of the job after a rank's failure: torchrun starts it again while --max-restarts allows."""
+    if RESTART_COUNT < MAX_RESTARTS:
+        return f"torchrun restarts the job (restart {RESTART_COUNT + 1} of {MAX_RESTARTS}), from weights/last.pt"
+    return "the job ends here"
