@@ -306,18 +306,24 @@ def test_a_script_piped_into_a_reader_that_is_gone_goes_on_quietly_to_its_end(tm
 
 
 def test_ctrl_c_ends_val_predict_and_export_with_one_line_and_code_130(tmp_path):
-    # Each loads a checkpoint whose torch.load never returns (a hung disk), and is stopped there by Ctrl-C.
+    # Each, run in turn in one interpreter as its own command line runs it, loads a checkpoint whose torch.load never
+    # returns (a hung disk) and is stopped there by Ctrl-C. Python takes SIGINT as a terminal gives it
+    # (pytest-xdist's workers ignore it, and their children inherit that).
     weights = tmp_path / "best.pt"
     torch.save({}, weights)
-    hang = ("import runpy, sys, time, torch\ndef hang(*args, **kwargs):\n    print('loading', flush=True)\n"
-            "    time.sleep(60)\ntorch.load = hang\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], "
-            "run_name='__main__')\n")
-    commands = {"val.py": [], "predict.py": ["--source", str(tmp_path)], "export.py": []}
-    processes = {script: subprocess.Popen([sys.executable, "-c", hang, script, "--weights", str(weights), *args],
-                                          cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True) for script, args in commands.items()}
-    for script, process in processes.items():
-        assert process.stdout.readline() == "loading\n", process.communicate(timeout=60)
+    commands = [["val.py"], ["predict.py", "--source", str(tmp_path)], ["export.py"]]
+    hang = ("import runpy, signal, sys, time, torch\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "def hang(*args, **kwargs):\n    print('loading', flush=True)\n    time.sleep(60)\ntorch.load = hang\n"
+            f"for command in {commands!r}:\n    sys.argv = [*command, '--weights', {str(weights)!r}]\n    try:\n"
+            "        runpy.run_path(command[0], run_name='__main__')\n    except SystemExit as e:\n"
+            "        print('exit', e.code, flush=True)\n")
+    process = subprocess.Popen([sys.executable, "-c", hang], cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    said = []
+    for _ in commands:
+        said.append(process.stdout.readline())
         process.send_signal(signal.SIGINT)
-        _, err = process.communicate(timeout=60)
-        assert (process.returncode, err) == (130, f"\n{script}: stopped by Ctrl-C (SIGINT) before it finished\n")
+        said.append(process.stdout.readline())
+    _, err = process.communicate(timeout=60)
+    assert said == ["loading\n", "exit 130\n"] * 3, err
+    assert err == "".join(f"\n{command[0]}: stopped by Ctrl-C (SIGINT) before it finished\n" for command in commands)
