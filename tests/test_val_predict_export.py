@@ -111,14 +111,9 @@ def test_val_on_data_with_an_unreadable_image_names_its_own_flag_which_leaves_th
             shutil.copy(path, root / "val" / digit / path.name)
     bad = root / "val" / "7" / "broken.png"
     bad.write_bytes(b"not a png")
-    args = ["--weights", str(weights), "--data", str(root), "--project", str(tmp_path / "v")]
-    with pytest.raises(SystemExit) as exit_:
-        val.main(args)
-    assert exit_.value.code == 2
-    assert capfd.readouterr().err.splitlines()[-1] == (
+    metrics = refused_then_read(weights, root, tmp_path, capfd, "--skip-corrupt", (
         f"val.py: error: {bad}: unreadable image (not an image format PIL can identify); remove the file, or skip "
-        f"unreadable images with --skip-corrupt (every image checked once first)")
-    metrics = val.main([*args, "--skip-corrupt"])
+        f"unreadable images with --skip-corrupt (every image checked once first)"))
     assert metrics["val/samples"] == 4
     assert f"skipping 1 unreadable image(s) (--skip-corrupt):\n  {bad}: not an image format" in log.text
 
@@ -131,14 +126,19 @@ def test_val_on_a_csv_listing_images_outside_its_folder_names_its_own_flag_which
     rows = [(os.path.relpath(path, root), digit)
             for digit in ("3", "7") for path in sorted((VAL_DIR / digit).iterdir())[:2]]
     (root / "val.csv").write_text("path,label\n" + "".join(f"{path},{label}\n" for path, label in rows))
+    metrics = refused_then_read(weights, root, tmp_path, capfd, "--csv-allow-outside", (
+        f"val.py: error: {root / 'val.csv'}, line 2: {rows[0][0]} lies outside the CSV's folder, {root} (4 of its 4 "
+        f"paths are); list images inside it, or read paths outside it with --csv-allow-outside"))
+    assert metrics["val/samples"] == 4
+
+
+def refused_then_read(weights, root, tmp_path, capfd, flag, line):
+    """val.py of weights on root: exit code 2 with line last on stderr, then with flag its metrics."""
     args = ["--weights", str(weights), "--data", str(root), "--project", str(tmp_path / "v")]
     with pytest.raises(SystemExit) as exit_:
         val.main(args)
-    assert exit_.value.code == 2
-    assert capfd.readouterr().err.splitlines()[-1] == (
-        f"val.py: error: {root / 'val.csv'}, line 2: {rows[0][0]} lies outside the CSV's folder, {root} (4 of its 4 "
-        f"paths are); list images inside it, or read paths outside it with --csv-allow-outside")
-    assert val.main([*args, "--csv-allow-outside"])["val/samples"] == 4
+    assert exit_.value.code == 2 and capfd.readouterr().err.splitlines()[-1] == line
+    return val.main([*args, flag])
 
 
 @pytest.mark.slow
