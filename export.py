@@ -109,8 +109,8 @@ def check_onnx_packages():
     """ONNX export and its check need optional packages: name the missing ones and how to install them."""
     missing = [name for name in ONNX_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
-        raise UsageError(f"--format onnx needs {', '.join(missing)} (not installed): pip install -r "
-                         f"requirements-export.txt")
+        raise UsageError(f"--format onnx (the default) needs {', '.join(missing)} (not installed): pip install -r "
+                         f"requirements-export.txt, or --format torchscript")
 
 
 def export_torchscript(model, example, metadata, path, dynamic_batch):

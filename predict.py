@@ -191,8 +191,9 @@ def predict(args):
         LOGGER.info(report(rows, skipped, k))
         if args.save_images:
             name_drawn_copies(save_dir, rows)
-        save_results(save_dir, rows, skipped, k, {"weights": str(args.weights), "source": shlex.join(args.source),
-                                                  "tta": args.tta}, args.save_images)
+        source = args.source[0] if len(args.source) == 1 else args.source  # as typed: a glob, or the shell's paths
+        save_results(save_dir, rows, skipped, k, {"weights": str(args.weights), "source": source, "tta": args.tta},
+                     args.save_images)
         files = ["predictions.csv", "predictions.json", *(save_images(save_dir, rows) if args.save_images else [])]
         if args.save_probs:
             save_probabilities(save_dir / "probabilities.csv", [r["file"] for r in rows], classes,

@@ -56,8 +56,8 @@ except ImportError:
     sys.exit("tune.py: error: needs Optuna, an optional extra: pip install -r requirements-tune.txt")
 
 from models import check_model_name
-from utils.config import (RECIPES_DIR, SECTIONS, RecipeError, as_override, best_metric, find_recipe, flat_keys,
-                          load_recipe, load_yaml, schema_leaves)
+from utils.config import (RECIPES_DIR, SECTIONS, RecipeError, as_override, best_metric, differing_keys,
+                          find_recipe, load_recipe, load_yaml, schema_leaves)
 from utils.once import atomic_write
 from utils.trackers import MLflowSweep, first_line, flat_params, sweep_environment
 
@@ -257,10 +257,11 @@ def what_changed(setting, then, now):
     if setting == "space":
         return f"{SETTINGS[setting]} differ"
     if setting == "resolved":
-        then, now = OmegaConf.create(then), OmegaConf.create(now)
-        key = next(key for key in flat_keys(OmegaConf.to_container(then))
-                   if OmegaConf.select(then, key) != OmegaConf.select(now, key))
-        setting, then, now = f"the recipe's {key}", OmegaConf.select(then, key), OmegaConf.select(now, key)
+        keys = differing_keys(then, now)
+        if not keys:
+            return "the recipe differs"
+        (key, then, now), = keys[:1]
+        setting = f"the recipe's {key}"
     return f"{SETTINGS.get(setting, setting)}: {then!r} then, {now!r} now"
 
 

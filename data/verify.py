@@ -28,7 +28,7 @@ def decode(path):
     try:
         image = Image.open(path)
     except UnidentifiedImageError:
-        if os.path.getsize(path) == 0:  # PIL calls it an unknown format
+        if isinstance(path, (str, os.PathLike)) and os.path.getsize(path) == 0:  # PIL calls it an unknown format
             raise OSError("an empty file, 0 bytes") from None
         raise
     with image:

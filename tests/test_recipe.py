@@ -168,6 +168,14 @@ def test_invalid_yaml_names_file_line_and_column_and_a_key_given_twice_is_refuse
         load_recipe(str(path))
     assert str(e.value) == (f"{path}, line 3, column 3: invalid YAML: while scanning a simple key, could not find "
                             f"expected ':'\n      momentum 0.9\n      ^")
+    write(path, "train:\n  epochs: 3\n batch_size: 8\n")  # told where the problem is, not where its block began
+    with pytest.raises(RecipeError) as e:
+        load_recipe(str(path))
+    assert str(e.value).startswith(f"{path}, line 3, column 2: invalid YAML: while parsing a block mapping, expected "
+                                   f"<block end>, but found '<block mapping start>'\n     batch_size: 8\n     ^")
+    write(path, "base: cls.yaml\nlr: &lr\n  lr: 0.1\noptim:\n  <<: *lr\n")  # YAML's merge key is no repeat
+    with pytest.raises(RecipeError, match="unknown key 'lr.lr'"):  # read past the merge: optim.lr is known
+        load_recipe(str(path))
     write(path, "train:\n  epochs: 3\ntrain:\n  batch_size: 8\n")  # PyYAML would keep the second section alone
     with pytest.raises(RecipeError) as e:
         load_recipe(str(path))

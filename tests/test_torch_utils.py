@@ -311,7 +311,7 @@ def test_ctrl_c_ends_val_predict_and_export_with_one_line_and_code_130(tmp_path)
     # (pytest-xdist's workers ignore it, and their children inherit that).
     weights = tmp_path / "best.pt"
     torch.save({}, weights)
-    commands = [["val.py"], ["predict.py", "--source", str(tmp_path)], ["export.py"]]
+    commands = [["val.py"], ["predict.py", "--source", str(tmp_path)], ["export.py", "--format", "torchscript"]]
     hang = ("import runpy, signal, sys, time, torch\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
             "def hang(*args, **kwargs):\n    print('loading', flush=True)\n    time.sleep(60)\ntorch.load = hang\n"
             f"for command in {commands!r}:\n    sys.argv = [*command, '--weights', {str(weights)!r}]\n    try:\n"

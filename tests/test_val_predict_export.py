@@ -285,10 +285,10 @@ def test_export_onnx_without_its_packages_says_what_to_install(best, monkeypatch
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "onnxruntime" else
                         real_find_spec(name))
     with pytest.raises(SystemExit) as exit_:
-        export.main(["--weights", str(best[0]), "--format", "onnx"])
+        export.main(["--weights", str(best[0])])  # ONNX, the default
     assert exit_.value.code == 2
-    assert "--format onnx needs onnxruntime (not installed): pip install -r requirements-export.txt" in \
-        capfd.readouterr().err
+    assert "--format onnx (the default) needs onnxruntime (not installed): pip install -r requirements-export.txt, " \
+           "or --format torchscript" in capfd.readouterr().err
 
 
 @pytest.mark.slow
@@ -311,7 +311,7 @@ def not_checkpoints(folder):
 def test_a_file_that_is_not_a_checkpoint_is_called_so_by_val_predict_and_export(tmp_path, capfd):
     for path, kind in not_checkpoints(tmp_path).items():
         for script, main, extra in (("val.py", val.main, []), ("predict.py", predict.main, ["--source", str(VAL_DIR)]),
-                                    ("export.py", export.main, [])):
+                                    ("export.py", export.main, ["--format", "torchscript"])):  # without onnx
             with pytest.raises(SystemExit) as exit_:
                 main(["--weights", str(path), *extra])
             assert exit_.value.code == 2

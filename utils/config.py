@@ -6,6 +6,7 @@ import json
 import math
 import re
 import textwrap
+from collections.abc import Hashable
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Union
 from pathlib import Path
@@ -151,7 +152,8 @@ class Recipe:
 # What a resumed run may change: none of these changes what the run has trained so far.
 RESUME_KEYS = ("train.epochs", "train.patience", "train.save_every_steps", "train.log_every_steps", "train.accumulate",
                "train.hang_seconds",
-               "train.compile", "train.channels_last", "data.workers", "data.skip_corrupt", "ddp.bucket_cap_mb",
+               "train.compile", "train.channels_last", "data.workers", "data.skip_corrupt", "data.cache_dir",
+               "data.shard_cache_gb", "ddp.bucket_cap_mb",
                "ddp.gradient_as_bucket_view", "device", "project", "name", "log.to", "log.weights", "log.required",
                "log.plots")
 # Keys that may differ between machines, each its own: where it finds the data (data/layouts.listed_alike checks
@@ -246,7 +248,11 @@ class UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *anchor', which SafeLoader merges
+                continue
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):  # PyYAML's own error says so
+                continue
             if key in seen:
                 raise yaml.MarkedYAMLError(problem=f"{key!r} is given twice in one mapping (the second would replace "
                                                    f"the first: merge them)", problem_mark=key_node.start_mark)
@@ -259,13 +265,21 @@ def load_yaml(path):
     try:
         return yaml.load(Path(path).read_text(), UniqueKeyLoader)
     except yaml.MarkedYAMLError as e:
-        mark = e.context_mark or e.problem_mark
+        mark = next((m for m in (e.problem_mark, e.context_mark) if marked_line(m).strip()), e.problem_mark)
         what = ", ".join(filter(None, (e.context, e.problem)))
         snippet = f"\n{mark.get_snippet()}" if mark.buffer else ""
         raise RecipeError(f"{path}, line {mark.line + 1}, column {mark.column + 1}: invalid YAML: {what}{snippet}"
                           ) from None
     except yaml.YAMLError as e:
         raise RecipeError(f"{path}: invalid YAML: {e}") from None
+
+
+def marked_line(mark):
+    """The text of the line a YAML error's mark points into ('' without one): a problem found at the end of the
+    text (a key without its ':', a list left open) is told by where its context began."""
+    if mark is None or mark.buffer is None:
+        return ""
+    return mark.buffer[mark.buffer.rfind("\n", 0, mark.pointer) + 1:].split("\n", 1)[0].rstrip("\0")
 
 
 def read_yaml(path):
@@ -498,8 +512,9 @@ def checkpoint_recipe(saved, source):
     return cfg
 
 
-def check_resumable(saved, resumed, source):
-    """Refuse a resumed recipe that changes anything but RESUME_KEYS, naming the first such key. data.name may move
+def check_resumable(saved, resumed, source, own=()):
+    """Refuse a resumed recipe that changes anything but RESUME_KEYS (and own: a machine's own keys, for a restart's
+    ranks, each with its own recipe), naming the first such key. data.name may move
     from one shard set's location to another's (a server's new address, a local copy): the resume then checks each
     shard's SHA-256 against the checkpoint's (data/shard_sets.py check_same_shards). The old location may be gone
     (the set moved), so it counts as a shard set's unless it is still there as other data."""
@@ -507,7 +522,7 @@ def check_resumable(saved, resumed, source):
         old, new = OmegaConf.select(saved, key), OmegaConf.select(resumed, key)
         moved_shards = (key == "data.name" and names_shards(new)
                         and (names_shards(old) or not Path(old).expanduser().exists()))
-        if old != new and key not in RESUME_KEYS and not moved_shards:
+        if old != new and key not in RESUME_KEYS and key not in own and not moved_shards:
             raise RecipeError(f"{source}: {key}={new!r} cannot change on resume: the run so far was trained with "
                               f"{key}={old!r}; only {', '.join(RESUME_KEYS)} may change (start a new run for the "
                               f"others)")
@@ -517,6 +532,14 @@ def results_keys(cfg):
     """The dotted keys that change what this run learns (CHANGES_RESULTS_WHEN), in the schema's order."""
     return [key for key in flat_keys(OmegaConf.to_container(cfg)) if CHANGES_RESULTS_WHEN.get(key, always)(cfg)]
 
+
+def differing_keys(recipe, other):
+    """[(dotted key, its value in recipe, in other)] for each key of either nested dict whose values differ (None
+    where a dict lacks it)."""
+    a, b = OmegaConf.create(recipe), OmegaConf.create(other)
+    keys = dict.fromkeys(flat_keys(recipe) + flat_keys(other))
+    return [(key, OmegaConf.select(a, key), OmegaConf.select(b, key)) for key in keys
+            if OmegaConf.select(a, key) != OmegaConf.select(b, key)]
 
 def flat_keys(tree, prefix=""):
     """Dotted keys of the leaves of a nested dict: {'a': {'b': 1}} -> ['a.b']."""

@@ -16,8 +16,8 @@ from omegaconf import OmegaConf
 
 import utils.distributed
 from utils.checkpoint import find_resume_checkpoint, load_training_checkpoint, run_dir_of
-from utils.config import (MACHINE_KEYS, Recipe, RecipeError, check_resumable, flag_as_key, flat_keys, keys_help,
-                          load_recipe, load_resumed_recipe, parse_overrides, recipe_to_yaml)
+from utils.config import (MACHINE_KEYS, Recipe, RecipeError, check_resumable, differing_keys, flag_as_key,
+                          keys_help, load_recipe, load_resumed_recipe, parse_overrides, recipe_to_yaml)
 from utils.distributed import gather_object, on_rank0, when_failing
 from utils.general import (LOCAL_WORLD_SIZE, LOGGER, RANK, RESTART_COUNT, RUN_ID, WORLD_SIZE, SharedError, UsageError,
                            colorstr, increment_path, script, short_path)
@@ -81,7 +81,7 @@ def prepare_run(args, model_check=None, settle=None):
         run_dir, path, ckpt = on_rank0(read_restarted_run, cfg.project, cfg.name)
         if ckpt is not None:
             saved = load_resumed_recipe(ckpt["recipe"], source=path, model_check=model_check)
-            check_resumable(saved, cfg, "the recipe on restart")
+            check_resumable(saved, cfg, "the recipe on restart", own=MACHINE_KEYS)
             check_unfinished(path, ckpt, cfg.train.epochs)
         LOGGER.info(f"torchrun restart {RESTART_COUNT}: continuing {run_dir or 'a new run'} "
                     f"{'from ' + path if path else 'from the start'}")
@@ -92,8 +92,8 @@ def prepare_run(args, model_check=None, settle=None):
 def check_same_recipe(cfg):
     """cfg, if every rank holds the same recipe as rank 0 but for MACHINE_KEYS (before settle, whose collectives
     depend on it): machines started with another override or recipe file would train apart, as DDP averages the
-    gradients of ranks on any schedule. Else a SharedError naming the first key that differs, on the first rank
-    where it does."""
+    gradients of ranks on any schedule. Else a SharedError, raised on every rank, naming the first key that differs
+    and the first rank where it does."""
     recipe = OmegaConf.to_container(cfg)
     for key in MACHINE_KEYS:  # each machine's own
         section, _, name = key.rpartition(".")
@@ -103,14 +103,15 @@ def check_same_recipe(cfg):
         return cfg
     recipes, hosts = zip(*gather_object((recipe, utils.distributed.HOST)))  # every rank saw the same digests
     rank = next(r for r, digest in enumerate(digests) if digest != digests[0])
-    theirs, rank0s = OmegaConf.create(recipes[rank]), OmegaConf.create(recipes[0])
-    keys = [key for key in flat_keys(recipes[0]) if OmegaConf.select(theirs, key) != OmegaConf.select(rank0s, key)]
-    first = keys[0]
-    value, value0 = OmegaConf.select(theirs, first), OmegaConf.select(rank0s, first)
-    more = f" (and {len(keys) - 1} other key(s))" if len(keys) > 1 else ""
+    keys = differing_keys(recipes[rank], recipes[0])  # of both: another version of the code may have other keys
+    if not keys:
+        raise SharedError(f"the ranks were started with different recipes: rank {rank} on {hosts[rank]}'s differs "
+                          f"from rank 0's on {hosts[0]}; start every machine with the same command and code")
+    (first, value, value0), more = keys[0], f" (and {len(keys) - 1} other key(s))" if len(keys) > 1 else ""
     raise SharedError(f"the ranks were started with different recipes: rank {rank} on {hosts[rank]} has "
                       f"{first}={value!r}, rank 0 on {hosts[0]} {first}={value0!r}{more}; start every machine with the "
                       f"same command")
+
 
 
 def read_resume(resume, project):

@@ -296,5 +296,5 @@ def hung_line(why, place, frozen):
 def after_failure():
     """What becomes of the job after a rank's failure: torchrun starts it again while --max-restarts allows."""
     if RESTART_COUNT < MAX_RESTARTS:
-        return f"torchrun restarts the job (restart {RESTART_COUNT + 1} of {MAX_RESTARTS}), from weights/last.pt"
+        return f"torchrun restarts the job (restart {RESTART_COUNT + 1} of {MAX_RESTARTS})"
     return "the job ends here"
