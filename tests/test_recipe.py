@@ -7,8 +7,8 @@ import yaml
 from omegaconf import OmegaConf
 
 from models import check_model_name
-from utils.config import (RECIPES_DIR, RESUME_KEYS, Recipe, RecipeError, load_recipe, load_resumed_recipe,
-                          recipe_to_yaml)
+from utils.config import (MACHINE_KEYS, RECIPES_DIR, RESUME_KEYS, Recipe, RecipeError, check_resumable, load_recipe,
+                          load_resumed_recipe, recipe_to_yaml)
 
 
 def write(path, content):
@@ -245,6 +245,14 @@ def test_resume_may_change_only_what_cannot_change_the_run_so_far():
         load_resumed_recipe(saved, ["optim.lr=0.5"])
     with pytest.raises(RecipeError, match="unknown key 'optim.lrr'"):
         load_resumed_recipe(saved, ["optim.lrr=0.5"])
+
+
+def test_a_restarted_machine_keeps_its_own_data_path_which_a_resume_may_not_change():
+    saved = load_recipe("cls.yaml", ["data.name=/mnt/a/data"])
+    mine = load_recipe("cls.yaml", ["data.name=/data/here", "data.cache_dir=/scratch"])  # another machine's paths
+    check_resumable(saved, mine, "the recipe on restart", own=MACHINE_KEYS)
+    with pytest.raises(RecipeError, match="data.name='/data/here' cannot change on resume"):
+        check_resumable(saved, mine, "command line")
 
 
 def test_docs_name_every_key_a_resume_may_change():
