@@ -260,7 +260,7 @@ def what_changed(setting, then, now):
         keys = differing_keys(then, now)
         if not keys:
             return "the recipe differs"
-        (key, then, now), = keys[:1]
+        key, then, now = keys[0]
         setting = f"the recipe's {key}"
     return f"{SETTINGS.get(setting, setting)}: {then!r} then, {now!r} now"
 

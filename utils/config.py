@@ -266,6 +266,8 @@ def load_yaml(path):
         return yaml.load(Path(path).read_text(), UniqueKeyLoader)
     except yaml.MarkedYAMLError as e:
         mark = next((m for m in (e.problem_mark, e.context_mark) if marked_line(m).strip()), e.problem_mark)
+        if mark is None:
+            raise RecipeError(f"{path}: invalid YAML: {e}") from None
         what = ", ".join(filter(None, (e.context, e.problem)))
         snippet = f"\n{mark.get_snippet()}" if mark.buffer else ""
         raise RecipeError(f"{path}, line {mark.line + 1}, column {mark.column + 1}: invalid YAML: {what}{snippet}"
@@ -518,11 +520,10 @@ def check_resumable(saved, resumed, source, own=()):
     from one shard set's location to another's (a server's new address, a local copy): the resume then checks each
     shard's SHA-256 against the checkpoint's (data/shard_sets.py check_same_shards). The old location may be gone
     (the set moved), so it counts as a shard set's unless it is still there as other data."""
-    for key in flat_keys(OmegaConf.to_container(resumed)):
-        old, new = OmegaConf.select(saved, key), OmegaConf.select(resumed, key)
+    for key, new, old in differing_keys(OmegaConf.to_container(resumed), OmegaConf.to_container(saved)):
         moved_shards = (key == "data.name" and names_shards(new)
                         and (names_shards(old) or not Path(old).expanduser().exists()))
-        if old != new and key not in RESUME_KEYS and key not in own and not moved_shards:
+        if key not in RESUME_KEYS and key not in own and not moved_shards:
             raise RecipeError(f"{source}: {key}={new!r} cannot change on resume: the run so far was trained with "
                               f"{key}={old!r}; only {', '.join(RESUME_KEYS)} may change (start a new run for the "
                               f"others)")
@@ -540,6 +541,7 @@ def differing_keys(recipe, other):
     keys = dict.fromkeys(flat_keys(recipe) + flat_keys(other))
     return [(key, OmegaConf.select(a, key), OmegaConf.select(b, key)) for key in keys
             if OmegaConf.select(a, key) != OmegaConf.select(b, key)]
+
 
 def flat_keys(tree, prefix=""):
     """Dotted keys of the leaves of a nested dict: {'a': {'b': 1}} -> ['a.b']."""
