@@ -132,7 +132,9 @@ def test_bad_values_name_the_key():
              "train.epochs=0": "train.epochs", "data.hflip=1.5": "data.hflip", "seed=-1": "seed must be",
              "train.hang_seconds=1": "train.hang_seconds must be 0",
              "train.hang_seconds=inf": "train.hang_seconds must be 0", "train.hang_seconds=nan": "train.hang_seconds",
-             "name=' '": "name must be", "data.shard_hosts=[http://example.com]": "data.shard_hosts must be a "
+             "name=' '": "name must be", "name=..": "name must be",
+             "name=a/b": "name must be a folder's name, without '/' (to group runs in a folder, set project",
+             "data.shard_hosts=[http://example.com]": "data.shard_hosts must be a "
              "list of hosts, each host or host:port"}
     for override, message in cases.items():
         with pytest.raises(RecipeError, match=message.replace("(", r"\(")):
@@ -189,6 +191,13 @@ def test_a_missing_base_is_named_with_the_recipe_that_asked_for_it_and_where_it_
         load_recipe(str(path))
     assert str(e.value).startswith(f"{path}: base: recipe 'nothere.yaml' not found in {tmp_path} or in "
                                    f"{RECIPES_DIR} (available: cifar10")
+
+
+def test_an_empty_recipe_is_refused_rather_than_trained_as_the_defaults(tmp_path):
+    (tmp_path / "r.yaml").write_text("# a recipe\n")
+    with pytest.raises(RecipeError, match=f"^{tmp_path / 'r.yaml'}: the recipe is empty; give it keys, or start from "
+                                          f"another: base: cls.yaml$"):
+        load_recipe(str(tmp_path / "r.yaml"))
 
 
 def test_base_recipe_is_merged_under_the_child(tmp_path):

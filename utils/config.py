@@ -146,7 +146,7 @@ class Recipe:
     device: str = "auto"  # auto (CUDA when present), cpu, cuda (GPU LOCAL_RANK); one process per machine: N or cuda:N
     seed: int = 0  # seeds model init, data order and augmentation
     project: str = "runs/train"  # runs are saved to project/name
-    name: str = "exp"  # run name, incremented when taken: exp, exp2, ...; lr0.1, lr0.1-2, ... (ends in a digit)
+    name: str = "exp"  # run name (a folder: no /), incremented if taken: exp, exp2, ...; lr0.1, lr0.1-2, ... (ends in a digit)
 
 
 # What a resumed run may change: none of these changes what the run has trained so far.
@@ -286,7 +286,9 @@ def marked_line(mark):
 
 def read_yaml(path):
     """Parse a recipe file into a dict, with errors that name the file."""
-    content = load_yaml(path) or {}
+    content = load_yaml(path)
+    if content is None:  # an empty file, or comments only: a file saved empty, not a recipe of defaults
+        raise RecipeError(f"{path}: the recipe is empty; give it keys, or start from another: base: cls.yaml")
     if not isinstance(content, dict):
         raise RecipeError(f"{path}: a recipe must be a mapping of keys to values, got {type(content).__name__}")
     return content
@@ -686,7 +688,8 @@ def check_other_values(cfg, require):
     require(cfg.ddp.comm_hook in COMM_HOOKS, "ddp.comm_hook", ", ".join(COMM_HOOKS))
     require(parse_device(cfg.device) is not None, "device", DEVICES)
     require(0 <= cfg.seed < 2**31, "seed", "in [0, 2**31)")
-    require(bool(cfg.name.strip()), "name", "a non-empty run name")
+    require(bool(cfg.name.strip()) and "/" not in cfg.name and cfg.name not in (".", ".."), "name",
+            "a folder's name, without '/' (to group runs in a folder, set project: project=runs/train/mine)")
     require(set(cfg.log.to) <= {"tensorboard", *TRACKERS} and len(set(cfg.log.to)) == len(cfg.log.to), "log.to",
             f"a list of distinct loggers among tensorboard, {', '.join(TRACKERS)} (e.g. [tensorboard,mlflow])")
     for name in cfg.log.to:

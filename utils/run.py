@@ -77,6 +77,7 @@ def prepare_run(args, model_check=None, settle=None):
         return settle(cfg) if settle else cfg, Path(run_dir), (path, ckpt)
     cfg = check_same_recipe(load_recipe(args.recipe or "cls.yaml", args.overrides, model_check=model_check))
     cfg = settle(cfg) if settle else cfg
+    on_rank0(check_project, cfg.project)  # before the data is read: that may take minutes
     if RESTART_COUNT:  # torchrun restarted the workers after a failure: continue this job's run where it stopped
         run_dir, path, ckpt = on_rank0(read_restarted_run, cfg.project, cfg.name)
         if ckpt is not None:
@@ -112,6 +113,17 @@ def check_same_recipe(cfg):
                       f"{first}={value!r}, rank 0 on {hosts[0]} {first}={value0!r}{more}; start every machine with the "
                       f"same command")
 
+
+
+def check_project(project):
+    """Rank 0: a UsageError unless the run directory can be made under project (a folder, or a path to create)."""
+    path = Path(project)
+    there = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if not there.is_dir():
+        raise UsageError(f"project={project!r}: {short_path(there)} is a file, not a folder; give another project")
+    if not os.access(there, os.W_OK | os.X_OK):
+        raise UsageError(f"project={project!r}: cannot create runs in {short_path(there)}: permission denied; give "
+                         f"another project")
 
 
 def read_resume(resume, project):
