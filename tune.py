@@ -56,9 +56,11 @@ except ImportError:
     sys.exit("tune.py: error: needs Optuna, an optional extra: pip install -r requirements-tune.txt")
 
 from models import check_model_name
-from utils.config import (RECIPES_DIR, SECTIONS, RecipeError, as_override, best_metric, differing_keys,
-                          find_recipe, load_recipe, load_yaml, schema_leaves)
+from utils.checkpoint import load_training_checkpoint
+from utils.config import (RECIPES_DIR, SECTIONS, RecipeError, as_override, best_metric, checkpoint_recipe,
+                          differing_keys, find_recipe, load_recipe, load_yaml, results_keys, schema_leaves)
 from utils.once import atomic_write
+from utils.run import run_done
 from utils.trackers import MLflowSweep, first_line, flat_params, sweep_environment
 
 ROOT = Path(__file__).resolve().parent
@@ -237,11 +239,17 @@ def claim_sweep(args):
         if isinstance(before.get("space"), str):  # written by an earlier tune.py, as the file's text
             before["space"] = yaml.safe_load(before["space"])
         before.setdefault("resolved", OmegaConf.to_container(load_recipe(before["recipe"], before["overrides"])))
-        changed = [what_changed(key, before[key], settings[key]) for key in SETTINGS if before[key] != settings[key]]
+        changed = [what_changed(key, before[key], settings[key]) for key in SETTINGS if differs(key, before, settings)]
         if changed:
             raise UsageError(f"{sweep} holds a sweep of another command ({'; '.join(changed)}): give another --name, "
                              f"or the command that started it")
-        return sweep, before
+        if before["resolved"] == settings["resolved"]:
+            return sweep, before
+        keys = ", ".join(f"{key}={as_override(now)}" for key, _, now in differing_keys(before["resolved"],
+                                                                                       settings["resolved"]))
+        print(f"{colorstr('tune:')} going on with the sweep in {short_path(sweep)}; its trials from now take {keys}, "
+              f"which change no trial's results")
+        return sweep, {**before, **{key: settings[key] for key in ("recipe", "overrides", "resolved")}}
     (sweep / "logs").mkdir(parents=True, exist_ok=True)
     with atomic_write(sweep / "sweep.yaml") as tmp:
         Path(tmp).write_text(yaml.safe_dump(settings, sort_keys=False))
@@ -252,15 +260,26 @@ SETTINGS = {"resolved": "the recipe", "space": "the --space file's ranges", "npr
             "shared": "--storage (given or not)", "study": "--study"}  # what a sweep's folder holds it to
 
 
+def differs(setting, before, settings):
+    """Whether a setting of a sweep (SETTINGS) differs in a command's settings from those it was started with; the
+    recipe only in keys that change what a trial learns (utils/config.results_keys): not log.to, data.workers, ..."""
+    return bool(results_differ(before[setting], settings[setting])) if setting == "resolved" else \
+        before[setting] != settings[setting]
+
+
+def results_differ(then, now):
+    """The keys (differing_keys) of two resolved recipes that differ and change what a run of either learns."""
+    matter = set(results_keys(checkpoint_recipe(then, "sweep.yaml's"))) | set(results_keys(checkpoint_recipe(
+        now, "the command's")))
+    return [(key, *values) for key, *values in differing_keys(then, now) if key in matter]
+
+
 def what_changed(setting, then, now):
-    """How a setting of a sweep differs from the command's now: the recipe by its first key that differs."""
+    """How a setting of a sweep differs from the command's now: the recipe by its first key that matters."""
     if setting == "space":
         return f"{SETTINGS[setting]} differ"
     if setting == "resolved":
-        keys = differing_keys(then, now)
-        if not keys:
-            return "the recipe differs"
-        key, then, now = keys[0]
+        key, then, now = results_differ(then, now)[0]
         setting = f"the recipe's {key}"
     return f"{SETTINGS.get(setting, setting)}: {then!r} then, {now!r} now"
 
@@ -387,14 +406,26 @@ def parent_run(study, created, wait=PARENT_WAIT):
 
 def run_sweep(study, space, sweep, settings, trials, seed=0, heartbeat=10, record=None):
     """Optuna's optimize loop until `trials` trials finished or were pruned, or as many failed (a failure of the
-    sweep's own); a trial stopped or cut off is left out of the count, and runs again. record: the sweep's MLflow
-    record, or None."""
-    ends = (VERDICTS, (TrialState.FAIL,))
-    if any(len(study.get_trials(deepcopy=False, states=states)) >= trials for states in ends):
+    sweep's own: train.py failed); a trial stopped or cut off is left out of the count, and runs again. record: the
+    sweep's MLflow record, or None."""
+    if len(study.get_trials(deepcopy=False, states=VERDICTS)) >= trials or len(own_failures(study)) >= trials:
         return  # done already: optimize would run one more trial before its callbacks
     study.optimize(lambda trial: run_trial(trial, space, sweep, settings, seed, heartbeat, record),
                    catch=(TrialFailed,),
-                   callbacks=[MaxTrialsCallback(trials, states=states) for states in ends])
+                   callbacks=[MaxTrialsCallback(trials, states=VERDICTS), stop_after_failures(trials)])
+
+
+def own_failures(study):
+    """The trials whose train.py failed (their error line kept), not those cut off by a stop or a dead worker."""
+    return [t for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)) if "error" in t.user_attrs]
+
+
+def stop_after_failures(trials):
+    """An optimize callback that stops the sweep once `trials` trials failed (own_failures)."""
+    def callback(study, trial):
+        if len(own_failures(study)) >= trials:
+            study.stop()
+    return callback
 
 
 class TrialFailed(Exception):
@@ -432,6 +463,10 @@ def train_trial(trial, space, sweep, settings, seed, heartbeat, record=None):
     trial.set_user_attr("run", run.name)
     trial.set_user_attr("host", HOST)
     log, epochs = sweep / "logs" / f"trial-{trial.number}.txt", trial_epochs(settings, params)
+    if retried is not None and (done := finished_run(run, trial, settings, epochs)):
+        print(f"{colorstr('tune:')} trial {trial.number}: {shown(params)} (trial {retried} again): its run had "
+              f"ended before the stop: it {done}", flush=True)
+        return trial_score(trial, run, settings, record)
     arguments, started = trial_arguments(settings, run, params, retried)
     again = "" if retried is None else f" (trial {retried} again{started})"
     print(f"{colorstr('tune:')} trial {trial.number}: {shown(params)}{again}", flush=True)
@@ -457,10 +492,34 @@ def train_trial(trial, space, sweep, settings, seed, heartbeat, record=None):
         if record:
             record.trial_ended(trial, "FAIL")
         raise TrialFailed(line)
-    print(f"  val {metric} {max(scores):.2%} (best of {len(scores)} epochs); {short_path(run)}")
+    return trial_score(trial, run, settings, record)
+
+
+def trial_score(trial, run, settings, record=None):
+    """The best val score of a trial's run that has ended, from its results.csv; said, and recorded in MLflow."""
+    scores, metric = epoch_scores(run / "results.csv", settings["metric"]), settings["metric"]
+    print(f"  val {metric} {max(scores):.2%} (best of {len(scores)} epoch{'s' * (len(scores) != 1)}); "
+          f"{short_path(run)}")
     if record:
         record.trial_ended(trial, "COMPLETE", max(scores))
     return max(scores)
+
+
+def finished_run(run, trial, settings, epochs):
+    """How a retried trial's run ended (utils/run.run_done, in words) where its first try trained it to the end
+    before the stop that cut the trial off (tune.py stopped as train.py finished; tune.py killed after it), its
+    epochs reported to the trial as watch() does; else None: the retry trains, resuming its last.pt."""
+    try:
+        ckpt = load_training_checkpoint(run / "weights" / "last.pt")
+        done = run_done(ckpt, checkpoint_recipe(ckpt["recipe"], str(run)).train)
+    except (OSError, UsageError, KeyError):
+        return None
+    scores = epoch_scores(run / "results.csv", settings["metric"])
+    if not done or not scores:
+        return None
+    for epoch in range(len(scores)):
+        report_epoch(trial, scores, epoch, epochs)
+    return done
 
 
 def trial_arguments(settings, run, params, retried):
@@ -547,9 +606,7 @@ def watch(process, trial, results, metric, epochs, heartbeat=10):
             recorded = time.monotonic()
         scores = epoch_scores(results, metric)
         for epoch in range(reported, len(scores)):
-            so_far = max(scores[:epoch + 1])
-            for step in range(percent_done(epoch, epochs) + 1, percent_done(epoch + 1, epochs) + 1):
-                trial.report(so_far, step)
+            so_far = report_epoch(trial, scores, epoch, epochs)
             print(f"  epoch {epoch + 1}/{epochs}: val {metric} {scores[epoch]:.2%} (trial best {so_far:.2%}"
                   f"{f', sweep best {best:.2%}' if best is not None else ''})", flush=True)
             if not ended and epoch + 1 < epochs and trial.should_prune():
@@ -560,6 +617,14 @@ def watch(process, trial, results, metric, epochs, heartbeat=10):
         if ended:
             return None
         time.sleep(0.5)
+
+
+def report_epoch(trial, scores, epoch, epochs):
+    """Report the trial's best score up to epoch (from 0) at every percent of its schedule that epoch covers."""
+    so_far = max(scores[:epoch + 1])
+    for step in range(percent_done(epoch, epochs) + 1, percent_done(epoch + 1, epochs) + 1):
+        trial.report(so_far, step)
+    return so_far
 
 
 def sweep_best(study):
@@ -613,7 +678,12 @@ def die_with_parent(parent):
 
 
 def report(study, sweep, settings):
-    """The best trials as a table and trials.csv, the best one as best.yaml, and Optuna's plots."""
+    """The best trials as a table and trials.csv, the best one as best.yaml, and Optuna's plots. A trial whose worker
+    died (no heartbeat for 3 intervals) is failed first, and queued to run again, as a worker starting a trial does:
+    once --trials have ended no worker starts one, and it would show as running for ever."""
+    with warnings.catch_warnings():  # experimental in Optuna since 2.9
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
     trials = study.get_trials(deepcopy=False)
     write_trials_csv(sweep / "trials.csv", trials)
     done = sorted((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: -t.value)

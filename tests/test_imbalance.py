@@ -194,8 +194,8 @@ def test_best_pt_and_patience_follow_train_best_metric(image_folder, tmp_path, m
     assert [float(r["val/ema_balanced_top1"]) for r in rows] == [row[3] for row in SCRIPT[:stopped_after]]
     ckpt = load_checkpoint(tmp_path / "exp" / "weights" / "best.pt")
     assert (ckpt["epoch"], ckpt["model_source"], ckpt["best_score"]) == (best_epoch, source, score)
-    assert (f"Stopping early after epoch {stopped_after}: no better {words} in 2 epochs (train.patience); the best, "
-            f"{score:.2%}, was at epoch {best_epoch}") in log.text
+    assert (f"Stopping early after epoch {stopped_after}: no better {words} in 2 epochs since the best, "
+            f"{score:.2%} at epoch {best_epoch} (train.patience=2)") in log.text
     assert f"Best {words} {score:.2%} at epoch {best_epoch}: " in log.text
     assert "top1 90.00% balanced 50.00%" in log.text  # epoch 1's line
 

@@ -430,7 +430,7 @@ def test_bf16_runs_the_forward_in_bf16_and_learns_an_easy_task(tmp_path, monkeyp
     assert load_checkpoint(tmp_path / "r" / "exp" / "weights" / "last.pt")["recipe"]["train"]["precision"] == "bf16"
 
 
-def test_early_stopping_after_patience_epochs_without_a_better_top1(image_folder, tmp_path, log):
+def test_early_stopping_after_patience_epochs_without_a_better_top1(image_folder, tmp_path, log, capsys):
     # Random images with random labels: val top-1 stops improving within a few epochs.
     root = image_folder({"train": {"a": 8, "b": 8}, "val": {"a": 4, "b": 4}}, size=8)
     train.main(["--recipe", "cls.yaml", f"data.name={root}", "train.epochs=12", "train.patience=2",
@@ -439,8 +439,13 @@ def test_early_stopping_after_patience_epochs_without_a_better_top1(image_folder
     top1 = [float(r["val/top1"]) for r in rows]
     best_epoch = top1.index(max(top1)) + 1
     assert len(rows) == best_epoch + 2 < 12  # stopped two epochs after the best
-    assert (f"Stopping early after epoch {len(rows)}: no better val top-1 in 2 epochs (train.patience); the best, "
-            f"{max(top1):.2%}, was at epoch {best_epoch}") in log.text
+    assert (f"Stopping early after epoch {len(rows)}: no better val top-1 in 2 epochs since the best, "
+            f"{max(top1):.2%} at epoch {best_epoch} (train.patience=2)") in log.text
+    # Resumed, it would train an epoch and stop again: refused, as a run that trained all its epochs is
+    error = fails(["--resume", tmp_path / "exp"], capsys)
+    assert error.rstrip().endswith(f"last.pt: the run stopped early after epoch {len(rows)}: no better val score in 2 "
+                                   f"epochs since its best, at epoch {best_epoch} (train.patience=2); to train longer, "
+                                   f"resume with train.patience=N (N > 2) or train.patience=0")
     assert load_checkpoint(tmp_path / "exp" / "weights" / "best.pt")["epoch"] == best_epoch
 
 

@@ -262,6 +262,11 @@ def test_a_dead_workers_trial_is_failed_by_its_heartbeat_and_run_again_by_anothe
     worker.wait()
     killed = time.time()
     time.sleep(4)  # its heartbeat is more than 3 heartbeats old
+    # Once --trials have ended no worker starts a trial that would find it dead: the report does, not "running"
+    with pytest.raises(SystemExit):  # no trial has finished yet
+        tune.main(["--report", str(tmp_path / "a" / "cls-space"), "--storage", storage, "--study", "s",
+                   "--heartbeat", "1"])
+    assert [t["state"] for t in read_trials(tmp_path / "a" / "cls-space")] == ["FAIL", "WAITING"]
     command[command.index(str(tmp_path / "a"))] = str(tmp_path / "b")
     result = run_python(*command)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -271,6 +276,31 @@ def test_a_dead_workers_trial_is_failed_by_its_heartbeat_and_run_again_by_anothe
     assert "tune: trial 1: " in result.stdout and "(trial 0 again)" in result.stdout
     assert (tmp_path / "b" / "cls-space" / "trial-0" / "results.csv").exists()  # its first try's name, on B
     assert 0 < float(trials[0]["seconds"]) < killed - started  # the time it ran, not until B found it dead
+
+
+@pytest.mark.slow
+def test_a_trial_whose_run_ended_as_the_sweep_was_stopped_is_retried_by_reading_its_score(space, tmp_path,
+                                                                                          monkeypatch, capsys):
+    """A Ctrl-C that reaches tune.py as the trial's train.py ends (or tune.py killed then) cuts the trial off, and
+    its retry finds a run with nothing left to train: it takes the run's score, and trains nothing."""
+    watch = tune.watch
+
+    def stopped_as_the_run_ends(process, *args):
+        watch(process, *args)
+        raise tune.Stopped(signal.SIGINT)
+
+    command, sweep = sweep_command(space, tmp_path, 1)[1:], tmp_path / "cls-space"
+    monkeypatch.setattr(tune, "watch", stopped_as_the_run_ends)
+    with pytest.raises(SystemExit) as stopped:
+        tune.main(command)
+    assert stopped.value.code == 128 + signal.SIGINT and (sweep / "trial-0" / "weights" / "last.pt").exists()
+    monkeypatch.undo()
+    tune.main(command)
+    out, score = capsys.readouterr().out, max(tune.epoch_scores(sweep / "trial-0" / "results.csv", "top1"))
+    assert "(trial 0 again): its run had ended before the stop: it has already trained all 1 epochs" in out
+    trials = read_trials(sweep)
+    assert [(t["state"], t["retry_of"]) for t in trials] == [("FAIL", ""), ("COMPLETE", "0")]
+    assert float(trials[1]["value"]) == score and not (sweep / "logs" / "trial-1.txt").exists()  # nothing trained
 
 
 def running(word):
@@ -436,7 +466,7 @@ def test_the_same_seed_draws_the_same_keys_and_two_seeds_never_the_same(tmp_path
     assert not set(zero) & set(one)
 
 
-def test_a_sweep_goes_on_after_changes_that_keep_its_meaning_and_not_after_others(tmp_path, monkeypatch):
+def test_a_sweep_goes_on_after_changes_that_keep_its_meaning_and_not_after_others(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     space = tmp_path / "space.yaml"
     space.write_text(SPACE)
@@ -453,6 +483,13 @@ def test_a_sweep_goes_on_after_changes_that_keep_its_meaning_and_not_after_other
         claim("cls.yaml", "train.epochs=2", "--nproc", "2")
     assert str(e.value) == (f"{sweep} holds a sweep of another command (the recipe's train.epochs: 1 then, 2 now; "
                             f"--nproc: 1 then, 2 now): give another --name, or the command that started it")
+    # Keys that change no trial's results (what is logged, the workers) may change; later trials take them
+    assert claim("cls.yaml", "train.epochs=1", "log.to=[tensorboard,mlflow]", "data.workers=1") == (sweep, {
+        **first, "overrides": ["train.epochs=1", "log.to=[tensorboard,mlflow]", "data.workers=1"],
+        "resolved": {**first["resolved"], "log": {**first["resolved"]["log"], "to": ["tensorboard", "mlflow"]},
+                     "data": {**first["resolved"]["data"], "workers": "1"}}})
+    assert "its trials from now take data.workers=1, log.to=[tensorboard,mlflow], which change no" in \
+        capsys.readouterr().out
     space.write_text(SPACE.replace("0.2,", "0.3,"))
     with pytest.raises(tune.UsageError, match="\\(the --space file's ranges differ\\)"):
         claim("cls.yaml", "train.epochs=1")

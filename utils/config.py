@@ -12,7 +12,7 @@ from typing import Union
 from pathlib import Path
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from utils.general import ROOT, WORLD_SIZE, SharedError
@@ -371,7 +371,7 @@ TYPE_WORDS = {bool: "true or false", int: "a whole number", float: "a number", s
 
 def as_override(value):
     """A value as key=value writes it on the command line: [0.5,1.0], true, resnet18."""
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple, ListConfig)):
         return f"[{','.join(as_override(v) for v in value)}]"
     return str(value).lower() if isinstance(value, bool) else "" if value is None else str(value)
 

@@ -73,7 +73,7 @@ def prepare_run(args, model_check=None, settle=None):
         run_dir, path, ckpt = on_rank0(read_resume, args.resume, project)
         cfg = check_same_recipe(load_resumed_recipe(ckpt["recipe"], args.overrides, source=path,
                                                     model_check=model_check))
-        check_unfinished(path, ckpt, cfg.train.epochs)  # before any data is read
+        check_unfinished(path, ckpt, cfg.train)  # before any data is read
         return settle(cfg) if settle else cfg, Path(run_dir), (path, ckpt)
     cfg = check_same_recipe(load_recipe(args.recipe or "cls.yaml", args.overrides, model_check=model_check))
     cfg = settle(cfg) if settle else cfg
@@ -83,7 +83,7 @@ def prepare_run(args, model_check=None, settle=None):
         if ckpt is not None:
             saved = load_resumed_recipe(ckpt["recipe"], source=path, model_check=model_check)
             check_resumable(saved, cfg, "the recipe on restart", own=MACHINE_KEYS)
-            check_unfinished(path, ckpt, cfg.train.epochs)
+            check_unfinished(path, ckpt, cfg.train)
         LOGGER.info(f"torchrun restart {RESTART_COUNT}: continuing {run_dir or 'a new run'} "
                     f"{'from ' + path if path else 'from the start'}")
         return cfg, run_dir and Path(run_dir), (path, ckpt) if ckpt is not None else None
@@ -169,12 +169,29 @@ def check_latest(path, ckpt):
                              f"start a new run from its weights with model.weights={path}")
 
 
-def check_unfinished(path, ckpt, epochs):
-    """Refuse to resume a run that has trained all its train.epochs (as the recipe says, overrides included)."""
-    if (ckpt["epoch"], ckpt["step"]) >= (epochs, 0):
-        done = f"has already trained all {epochs} epochs" if (ckpt["epoch"], ckpt["step"]) == (epochs, 0) else \
-            f"is already past train.epochs={epochs} (saved {saved_at(ckpt)})"
-        raise SharedError(f"{path}: the run {done}; to train longer, resume with train.epochs=N (N > {ckpt['epoch']})")
+def check_unfinished(path, ckpt, train):
+    """Refuse to resume a run with nothing left to train under its train.epochs and train.patience (as the recipe
+    says, overrides included)."""
+    if done := run_done(ckpt, train):
+        way_on = f"train.patience=N (N > {ckpt['epoch'] - ckpt['best_epoch']}) or train.patience=0" \
+            if done.startswith("stopped early") else f"train.epochs=N (N > {ckpt['epoch']})"
+        raise SharedError(f"{path}: the run {done}; to train longer, resume with {way_on}")
+
+
+def run_done(ckpt, train):
+    """How a run whose latest checkpoint is ckpt has ended under the recipe's train section (epochs, patience), in
+    words; None while it has epochs to train. A run that ran out of patience is done: resumed, it would train one
+    more epoch and stop again."""
+    at, waited = (ckpt["epoch"], ckpt["step"]), ckpt["epoch"] - ckpt["best_epoch"]
+    epochs, patience = train.epochs, train.patience
+    if at == (epochs, 0):
+        return f"has already trained all {epochs} epochs"
+    if at > (epochs, 0):
+        return f"is already past train.epochs={epochs} (saved {saved_at(ckpt)})"
+    if patience and not ckpt["step"] and waited >= patience:
+        return (f"stopped early after epoch {ckpt['epoch']}: no better val score in {waited} epoch{'s' * (waited != 1)} "
+                f"since its best, at epoch {ckpt['best_epoch']} (train.patience={patience})")
+    return None
 
 
 def saved_at(ckpt):

@@ -142,9 +142,10 @@ def record_best(state, metrics, epoch):
 def out_of_patience(patience, state, epochs):
     """Early stopping: whether `patience` epochs have passed without a better val score of train.best_metric (every
     rank agrees: the metrics are the same everywhere)."""
-    if not patience or state.epoch >= epochs or state.epoch - state.best_epoch < patience:
+    waited = state.epoch - state.best_epoch
+    if not patience or state.epoch >= epochs or waited < patience:
         return False
     LOGGER.info(f"Stopping early after epoch {state.epoch}: no better {BEST_METRIC_NAMES[state.best_metric]} in "
-                f"{patience} epochs (train.patience); the best, {state.best_score:.2%}, was at epoch "
-                f"{state.best_epoch}")
+                f"{waited} epoch{'s' * (waited != 1)} since the best, {state.best_score:.2%} at epoch "
+                f"{state.best_epoch} (train.patience={patience})")
     return True
