@@ -148,7 +148,7 @@ def train(cfg, vote, dtype, run_dir=None, resume=None, check=False):
         state.model = smart_DDP(state.model, device, **cfg.ddp)
     state.model = compiled(state.model, cfg.train.compile)
     LOGGER.info(startup_line(cfg, device, (threads, workers, workers_why), (train_set, val_set), state, dtype, steps,
-                             resumed=bool(resume)))
+                             resumed=resume and resume[0]))
     if check:
         LOGGER.info(f"{colorstr('train:')} --check: the recipe, data and model are ready to train; no run written")
         return state.best_score

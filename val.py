@@ -114,7 +114,8 @@ def validate(args):
     _, workers, _ = set_threads(cfg.data.workers if args.workers is None else args.workers, device_type=device.type)
     allow_outside = cfg.data.csv_allow_outside or args.csv_allow_outside
     dataset = named_eval_dataset(args.data or cfg.data.name, args.split, val_transforms(cfg.data), classes,
-                                 args.weights, allow_outside, cfg.data.cache_dir, cfg.data.shard_hosts)
+                                 args.weights, allow_outside, cfg.data.cache_dir, cfg.data.shard_hosts,
+                                 split_by_run=cfg.data.val_split > 0)
     check_task(dataset, cfg.data.multilabel, args.data or cfg.data.name, weights=args.weights)
     if (cfg.data.skip_corrupt or args.skip_corrupt) and hasattr(dataset, "samples"):  # a run's top-1 left them out
         skipped = skip_unreadable(dataset)
@@ -162,7 +163,7 @@ def report(metrics, classes):
     if len(classes) > MAX_CLASSES_SHOWN:
         return f"{overall}\n(per-class results of the {len(classes)} classes in per_class.csv)"
     columns = 5 if metrics["val/top5"] is not None else 4
-    rows = [(name, n, f"{precision:.3f}", fmt(recall), fmt(top5_acc))[:columns]
+    rows = [(name, n, fmt(precision), fmt(recall), fmt(top5_acc))[:columns]
             for name, (n, precision, recall, top5_acc) in zip(classes, per_class(metrics["class_counts"]))]
     return f"{overall}\n" + format_table(["class", "images", "precision", "recall", "top-5"][:columns], rows)
 

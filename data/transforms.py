@@ -255,8 +255,9 @@ def preprocessing(cfg):
                 "steps": f"RGB; resize the whole image to img_size x img_size (bilinear, antialiased; its aspect "
                          f"ratio is not kept); {normalise}"}
     return {"img_size": val_size(cfg), "resize": resize_size(cfg), "crop_pct": cfg.crop_pct, "mean": list(cfg.mean),
-            "std": list(cfg.std), "steps": f"RGB; resize the shorter side to resize (bilinear, antialiased); "
-                                           f"centre-crop img_size x img_size; {normalise}"}
+            "std": list(cfg.std), "steps": f"RGB; resize the shorter side to resize and the longer to int(resize "
+                                           f"x longer / shorter), rounded down as torchvision's Resize does "
+                                           f"(bilinear, antialiased); centre-crop img_size x img_size; {normalise}"}
 
 
 def normalizer(cfg, device):

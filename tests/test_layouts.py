@@ -216,6 +216,27 @@ def test_val_without_the_saved_split_says_what_is_missing(tmp_path, capfd):
         f"test)\n")
 
 
+def test_val_evaluates_a_folder_of_class_folders_the_run_did_not_split_whole(tmp_path, capfd, log):
+    root, other = class_folders(tmp_path / "data", 4), tmp_path / "other"
+    for name in CLASSES:  # none of the run's files: another folder (3 images of each class)
+        write_images(other / name, name, 3, start=100)
+    train.main([*TRAIN_ARGS, "train.epochs=1", f"data.name={root}", "data.val_split=0.25", f"project={tmp_path}"])
+    split_run = tmp_path / "exp" / "weights" / "best.pt"
+    assert val.main(["--weights", str(split_run), "--data", str(other), "--project", str(tmp_path / "v")])[
+        "val/samples"] == 6
+    assert f"{other} holds none of the files of the run's split ({tmp_path / 'exp' / 'split.json'})" in log.text
+    train.main([*TRAIN_ARGS, "train.epochs=1", f"data.name={split_folders(tmp_path / 'split', 'val')}",
+                f"project={tmp_path}"])  # trained on train/ and val/ folders: it split no folder
+    assert val.main(["--weights", str(tmp_path / "exp2" / "weights" / "best.pt"), "--data", str(root), "--project",
+                     str(tmp_path / "v")])["val/samples"] == 8
+    capfd.readouterr()
+    with pytest.raises(SystemExit):
+        val.main(["--weights", str(tmp_path / "exp2" / "weights" / "best.pt"), "--data", str(root), "--split", "test"])
+    assert capfd.readouterr().err == (f"val.py: error: {root}: a folder of class folders, which val.py evaluates "
+                                      f"whole; --split test names a part of a root of train/, val/ and test/ "
+                                      f"folders: leave --split out\n")
+
+
 @pytest.mark.slow
 def test_val_split_under_torchrun_rank_0_splits_and_writes_and_every_rank_uses_its_split(tmp_path):
     root = class_folders(tmp_path / "data", 9)

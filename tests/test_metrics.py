@@ -37,7 +37,8 @@ def test_confusion_matrix_per_class_counts_and_misclassified_images_of_known_log
     assert [(int(image[0, 0, 0]), t, p) for image, t, p in metrics["wrong"]] == [(1, 0, 1), (2, 1, 2), (3, 0, 5)]
     rows = per_class(metrics["class_counts"])
     assert rows[0] == (3, 1 / 3, 1 / 3, 2 / 3)  # predicted 0 three times, once rightly; one of three images right
-    assert rows[4] == (0, 0.0, None, None)  # no images, never predicted
+    assert rows[4] == (0, None, None, None)  # no images, never predicted: neither precision nor recall
+    assert rows[5] == (1, 0.0, 0.0, 0.0)  # an image, never predicted rightly
 
 
 def test_without_five_classes_there_is_no_top5_and_above_the_limit_no_confusion_matrix(monkeypatch):

@@ -112,7 +112,7 @@ def test_one_process_stopped_and_killed_at_any_moment_resumes_to_bit_identical_w
     # 4. Resumed from the end of epoch 1 to the end: a bare --resume takes the newest run under project.
     result = launch(1, "train.py", "--resume", f"project={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "resuming at epoch 2, step 0" in result.stdout
+    assert f"resuming at epoch 2, step 0 from {run_dir / 'weights' / 'last.pt'}" in result.stdout  # the one found
     assert_same_run(run_dir, reference[1, precision])
     assert [p.name for p in tmp_path.iterdir()] == ["exp"]  # resumed in place
     # 5. A finished run extended by one epoch.

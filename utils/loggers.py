@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from utils.config import results_keys
 from utils.distributed import when_failing
-from utils.general import LOGGER, RANK, WORLD_SIZE, colorstr
+from utils.general import LOGGER, RANK, WORLD_SIZE, colorstr, short_path
 from utils.once import atomic_write
 from utils.plots import confusion_figure, figure_array, labelled_grid, results_figure, save_figure
 from utils.torch_utils import de_parallel
@@ -312,18 +312,20 @@ def format_share(value):
     return "-" if value is None else f"{value:.3f}"
 
 
-def startup_line(cfg, device, feed, datasets, state, dtype, steps, resumed=False):
+def startup_line(cfg, device, feed, datasets, state, dtype, steps, resumed=None):
     """The line that says how the run trains: processes, device, threads and workers (feed: (threads, workers, why)),
-    the data (datasets: (train, val)), the model and its precision, the batch, and where a resumed run goes on."""
+    the data (datasets: (train, val)), the model and its precision, the batch, and where a resumed run goes on, from
+    which checkpoint (resumed: its path)."""
     (threads, workers, why), (train_set, val_set) = feed, datasets
     params = sum(p.numel() for p in de_parallel(state.model).parameters())
+    where = f"; resuming at epoch {state.epoch + 1}, step {state.step} from {short_path(resumed)}" if resumed else ""
     return (f"{colorstr('train:')} {WORLD_SIZE} process(es) on {device.type}, {threads} thread(s) and {workers} "
             f"worker(s) each ({why}); {len(train_set)} train / {len(val_set)} val images, {len(train_set.classes)} "
             f"classes; {cfg.model.name} ({params:,} parameters) in {str(dtype or torch.float32).removeprefix('torch.')}"
             f"{', channels_last' if cfg.train.channels_last else ''}"
             f"{', multi-label' if cfg.data.multilabel else ''}; batch {cfg.train.batch_size} "
             f"({cfg.train.batch_size // WORLD_SIZE} per process), {steps} steps per epoch"
-            f"{f'; resuming at epoch {state.epoch + 1}, step {state.step}' if resumed else ''}")
+            f"{where}")
 
 
 def epoch_summary(metrics, epochs):

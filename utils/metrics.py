@@ -91,11 +91,13 @@ def collect_wrong(images, targets, predicted, most):
 
 def per_class(class_counts):
     """Per class, from evaluate()'s class_counts: (images, precision, recall, top-5 accuracy); recall is the class's
-    top-1 accuracy. A class never predicted has precision 0; one without images has recall None; top-5 accuracy is
+    top-1 accuracy. A class never predicted has precision 0 (as scikit-learn gives it), or None where it has no
+    images either (nothing to find, nothing wrongly found); one without images has recall None; top-5 accuracy is
     None with fewer than 5 classes (every class is then in the top 5)."""
     images, predicted, correct, top5 = class_counts.tolist()
     with_top5 = len(images) >= 5
-    return [(n, right / guessed if guessed else 0.0, right / n if n else None, hits / n if n and with_top5 else None)
+    return [(n, right / guessed if guessed else 0.0 if n else None, right / n if n else None,
+             hits / n if n and with_top5 else None)
             for n, guessed, right, hits in zip(images, predicted, correct, top5)]
 
 
