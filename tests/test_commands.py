@@ -197,11 +197,13 @@ NUMBER = r"\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?(?: (?:B|KiB|MiB|GiB)\b)?"  # with a 
 # the scratch project may print there): the data's paths; exp's number (the scratch project holds a stopped run
 # as runs/train/exp, so a new run is exp2); an epoch in the singular; top-5, shown with 5 classes or more (the
 # scratch data has 2); why the threads and workers (the scratch runs set data.workers); the stored size, when the
-# tiny images were resized; the images and contact sheet --save-images adds to predict.py's files.
+# tiny images were resized; the images and contact sheet --save-images adds to predict.py's files; the precision,
+# which train.precision=auto makes fp32 on a CPU without bf16 instructions.
 OUTPUT_PLACES = [(r"datasets/digits(?:/val)?", r"\S+"), (r"/exp\b", r"/exp\d*"), (r"epochs in", r"epochs? in"),
                  (rf" +top-?5 {NUMBER}%", rf"(?: +top-?5 {NUMBER}%)?"), (r" \(auto: [^)]*\)", r" \([^)]*\)"),
                  (r" per train image", r" per train image(?: \([^)]*\))?"),
-                 (r"predictions\.json$", r"predictions\.json(?:, .*)?")]
+                 (r"predictions\.json$", r"predictions\.json(?:, .*)?"),
+                 (r"\bbf16\b", "(?:bf16|fp32)"), (r"\bbfloat16\b", "(?:bfloat16|float32)")]
 OUTPUT_NOT_RUN = {"export.py": "no command of RUN runs it"}
 
 

@@ -290,11 +290,12 @@ def test_a_trial_whose_run_ended_as_the_sweep_was_stopped_is_retried_by_reading_
         raise tune.Stopped(signal.SIGINT)
 
     command, sweep = sweep_command(space, tmp_path, 1)[1:], tmp_path / "cls-space"
+    monkeypatch.setattr(tune, "check_recipe", lambda settings: None)  # a train.py launch each: tested above
     monkeypatch.setattr(tune, "watch", stopped_as_the_run_ends)
     with pytest.raises(SystemExit) as stopped:
         tune.main(command)
     assert stopped.value.code == 128 + signal.SIGINT and (sweep / "trial-0" / "weights" / "last.pt").exists()
-    monkeypatch.undo()
+    monkeypatch.setattr(tune, "watch", watch)
     tune.main(command)
     out, score = capsys.readouterr().out, max(tune.epoch_scores(sweep / "trial-0" / "results.csv", "top1"))
     assert "(trial 0 again): its run had ended before the stop: it has already trained all 1 epochs" in out
