@@ -216,6 +216,7 @@ def test_val_without_the_saved_split_says_what_is_missing(tmp_path, capfd):
         f"test)\n")
 
 
+@pytest.mark.slow
 def test_val_evaluates_a_folder_of_class_folders_the_run_did_not_split_whole(tmp_path, capfd, log):
     root, other = class_folders(tmp_path / "data", 4), tmp_path / "other"
     for name in CLASSES:  # none of the run's files: another folder (3 images of each class)

@@ -189,8 +189,8 @@ def run_done(ckpt, train):
     if at > (epochs, 0):
         return f"is already past train.epochs={epochs} (saved {saved_at(ckpt)})"
     if patience and not ckpt["step"] and waited >= patience:
-        return (f"stopped early after epoch {ckpt['epoch']}: no better val score in {waited} epoch{'s' * (waited != 1)} "
-                f"since its best, at epoch {ckpt['best_epoch']} (train.patience={patience})")
+        return (f"stopped early after epoch {ckpt['epoch']}: no better val score in {waited} "
+                f"epoch{'s' * (waited != 1)} since its best, at epoch {ckpt['best_epoch']} (train.patience={patience})")
     return None
 
 
