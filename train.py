@@ -175,10 +175,11 @@ def train(cfg, vote, dtype, run_dir=None, resume=None, check=False):
         metrics.update({"epoch": epoch + 1, "train/loss": state.epoch_loss[0] / state.epoch_loss[1],
                         "lr/pg0": state.optimizer.param_groups[0]["lr"], "time/epoch": time.time() - epoch_start,
                         "time/img_s": images_seen / train_time})
-        if end_epoch(loop, state, epoch, metrics) and epoch + 1 < cfg.train.epochs:  # a signal during validation
+        stopped = end_epoch(loop, state, epoch, metrics)  # a signal during validation
+        if out_of_patience(cfg.train.patience, state, cfg.train.epochs) or stopped and epoch + 1 == cfg.train.epochs:
+            break  # the run has ended: a stop signal then is no stop
+        if stopped:
             return end_stopped(logger, run_dir, epoch + 1, 0, steps)
-        if out_of_patience(cfg.train.patience, state, cfg.train.epochs):
-            break
     if logger:
         LOGGER.info(next_steps(run_dir, state, time.time() - start, held_out_folder(train_set, val_set), started_at,
                                logger.close()))
@@ -290,8 +291,7 @@ def at_shared_step(loop, state, epoch, verdict, running, epoch_end=False):
     if log or save_now or epoch_end:  # the epoch's running totals, which checkpoints hold
         state.epoch_loss = running.total()
     if log:  # before a save, so it holds the logged loss
-        # The mean of the steps since the last log, as a difference of the running totals: a resumed run logs the
-        # same values.
+        # The mean since the last log, as a difference of running totals: a resumed run logs the same values.
         (total, n), (logged, logged_n) = state.epoch_loss, state.logged_loss
         if loop.logger and n > logged_n:
             loop.logger.log_step(global_step, (total - logged) / (n - logged_n))

@@ -57,8 +57,8 @@ except ImportError:
 
 from models import check_model_name
 from utils.checkpoint import load_training_checkpoint
-from utils.config import (RECIPES_DIR, SECTIONS, RecipeError, as_override, best_metric, checkpoint_recipe,
-                          differing_keys, find_recipe, load_recipe, load_yaml, results_keys, schema_leaves)
+from utils.config import (CHANGES_RESULTS_WHEN, RECIPES_DIR, SECTIONS, RecipeError, as_override, best_metric,
+                          checkpoint_recipe, differing_keys, find_recipe, load_recipe, load_yaml, never, schema_leaves)
 from utils.once import atomic_write
 from utils.run import run_done
 from utils.trackers import MLflowSweep, first_line, flat_params, sweep_environment
@@ -136,12 +136,12 @@ def main(argv=None):
         else:
             space = read_space(args.space, args.recipe, args.overrides)
             sweep, settings = claim_sweep(args)
-            check_recipe(settings)
+            check_recipe(settings, sweep)
             study, created = open_study(storage_of(sweep, args.storage, settings), settings["study"], create=True,
                                         prune=not args.no_prune, heartbeat=args.heartbeat)
             record = sweep_record(study, sweep, settings, created)
             run_sweep(study, space, sweep, settings, args.trials, args.seed, args.heartbeat, record)
-        report(study, sweep, settings)
+        report(study, sweep, settings, fail_stale=not args.report)  # --report's --heartbeat may not be the sweep's
         if record:  # the sweep's files on its MLflow run
             record.end(study.best_trial, [sweep / n for n in SWEEP_FILES if (sweep / n).exists()])
     except UsageError as e:
@@ -247,8 +247,8 @@ def claim_sweep(args):
             return sweep, before
         keys = ", ".join(f"{key}={as_override(now)}" for key, _, now in differing_keys(before["resolved"],
                                                                                        settings["resolved"]))
-        print(f"{colorstr('tune:')} going on with the sweep in {short_path(sweep)}; its trials from now take {keys}, "
-              f"which change no trial's results")
+        print(f"{colorstr('tune:')} going on with the sweep in {short_path(sweep)}; its new trials take {keys}, which "
+              f"change no trial's results")
         return sweep, {**before, **{key: settings[key] for key in ("recipe", "overrides", "resolved")}}
     (sweep / "logs").mkdir(parents=True, exist_ok=True)
     with atomic_write(sweep / "sweep.yaml") as tmp:
@@ -262,16 +262,15 @@ SETTINGS = {"resolved": "the recipe", "space": "the --space file's ranges", "npr
 
 def differs(setting, before, settings):
     """Whether a setting of a sweep (SETTINGS) differs in a command's settings from those it was started with; the
-    recipe only in keys that change what a trial learns (utils/config.results_keys): not log.to, data.workers, ..."""
+    recipe only in keys that may change what a trial learns (results_differ): not log.to, data.workers, ..."""
     return bool(results_differ(before[setting], settings[setting])) if setting == "resolved" else \
         before[setting] != settings[setting]
 
 
 def results_differ(then, now):
-    """The keys (differing_keys) of two resolved recipes that differ and change what a run of either learns."""
-    matter = set(results_keys(checkpoint_recipe(then, "sweep.yaml's"))) | set(results_keys(checkpoint_recipe(
-        now, "the command's")))
-    return [(key, *values) for key, *values in differing_keys(then, now) if key in matter]
+    """The keys (differing_keys) of two resolved recipes that differ, but for those that never change what a run
+    learns (utils/config.CHANGES_RESULTS_WHEN: where it is saved, what it logs, how fast it goes)."""
+    return [(key, *values) for key, *values in differing_keys(then, now) if CHANGES_RESULTS_WHEN.get(key) is not never]
 
 
 def what_changed(setting, then, now):
@@ -291,11 +290,12 @@ def read_settings(sweep):
         raise UsageError(f"{sweep}: no sweep.yaml: not a sweep folder of tune.py") from None
 
 
-def check_recipe(settings):
+def check_recipe(settings, sweep):
     """train.py --check of the recipe with the sweep's fixed overrides, launched as a trial is: what train.py would
     refuse before any work (a data set that is not there, a batch the processes cannot share) is refused once, here,
     not by every trial."""
-    command = train_command(settings, ["--recipe", settings["recipe"], *settings["overrides"], "--check"])
+    command = train_command(settings, ["--recipe", settings["recipe"], *settings["overrides"], f"project={sweep}",
+                                       "--check"])  # the project the trials' runs go to
     print(f"{colorstr('tune:')} checking the recipe with the sweep's overrides (train.py --check)", flush=True)
     returncode, output = run_to_end(command)
     if returncode != 0:
@@ -677,13 +677,15 @@ def die_with_parent(parent):
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def report(study, sweep, settings):
-    """The best trials as a table and trials.csv, the best one as best.yaml, and Optuna's plots. A trial whose worker
-    died (no heartbeat for 3 intervals) is failed first, and queued to run again, as a worker starting a trial does:
-    once --trials have ended no worker starts one, and it would show as running for ever."""
-    with warnings.catch_warnings():  # experimental in Optuna since 2.9
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        optuna.storages.fail_stale_trials(study)
+def report(study, sweep, settings, fail_stale=True):
+    """The best trials as a table and trials.csv, the best one as best.yaml, and Optuna's plots. With fail_stale (a
+    worker's report), a trial whose worker died (no heartbeat for 3 intervals) is failed first, and queued to run
+    again, as a worker starting a trial does: once --trials have ended no worker starts one, and it would show as
+    running for ever."""
+    if fail_stale:
+        with warnings.catch_warnings():  # experimental in Optuna since 2.9
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
     trials = study.get_trials(deepcopy=False)
     write_trials_csv(sweep / "trials.csv", trials)
     done = sorted((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: -t.value)

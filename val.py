@@ -115,7 +115,7 @@ def validate(args):
     allow_outside = cfg.data.csv_allow_outside or args.csv_allow_outside
     dataset = named_eval_dataset(args.data or cfg.data.name, args.split, val_transforms(cfg.data), classes,
                                  args.weights, allow_outside, cfg.data.cache_dir, cfg.data.shard_hosts,
-                                 split_by_run=cfg.data.val_split > 0)
+                                 split_root=cfg.data.name if cfg.data.val_split > 0 else None)
     check_task(dataset, cfg.data.multilabel, args.data or cfg.data.name, weights=args.weights)
     if (cfg.data.skip_corrupt or args.skip_corrupt) and hasattr(dataset, "samples"):  # a run's top-1 left them out
         skipped = skip_unreadable(dataset)

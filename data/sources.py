@@ -156,20 +156,21 @@ def labelled_as(dataset, classes, unknown_means):
     return dataset
 
 
-def eval_dataset(root, split, transform, classes, weights, allow_outside=False, split_by_run=False):
+def eval_dataset(root, split, transform, classes, weights, allow_outside=False, split_root=None):
     """root's split (train, val or test) labelled with the classes a checkpoint (weights) was trained on, in any
     layout (data/layouts.py); a root of class folders as split by data.val_split in the checkpoint's run where it
-    split one (split_by_run) and this is that folder, else whole. Every rank lists it, and must list the same
-    (listed_alike)."""
+    split one (split_root: its data.name) and this is that folder (there, or moved with its files), else whole. Every
+    rank lists it, and must list the same (listed_alike)."""
     layout, unknown_means = find_layout(root), f"not among the {len(classes)} classes {weights} was trained on"
     if layout == CSV_FILES:
         names = [f"{name}.csv" for name in (VAL_NAMES if split == "val" else (split,))]
         return listed_alike(root, lambda: (csv_dataset(first_present(root, names, "to evaluate"), transform, load_rgb,
                                                        classes, f"is {unknown_means}", allow_outside,
                                                        training_bar(root)),))[0]
-    if layout == CLASS_FOLDERS and split_by_run:
+    if layout == CLASS_FOLDERS and split_root is not None:
         record, path = saved_split(root, split, weights)  # read by rank 0, outside listed_alike: a collective
-        if not any(os.path.isfile(os.path.join(root, name)) for name in record["val"][:100]):  # another folder
+        if os.path.realpath(root) != os.path.realpath(split_root) and not any(  # another folder, not the run's moved
+                os.path.isfile(os.path.join(root, name)) for name in record["val"][:100]):
             return listed_alike(root, lambda: (whole_folder(root, split, transform, classes, unknown_means, path),))[0]
         return listed_alike(root, lambda: (listed_split(root, record, split, transform, load_rgb, classes, path),))[0]
     if layout == CLASS_FOLDERS:
@@ -179,12 +180,12 @@ def eval_dataset(root, split, transform, classes, weights, allow_outside=False, 
 
 def whole_folder(root, split, transform, classes, unknown_means, split_file=None):
     """A folder of class folders that is not the one the checkpoint's run split (data.val_split; split_file: its
-    split, of whose first 100 val files the folder holds none), evaluated whole, as the one split it is."""
+    split, of whose first 100 val files this other path holds none), evaluated whole, as the one split it is."""
     if split != "val":
         raise DatasetError(f"{root}: a folder of class folders, which val.py evaluates whole; --split {split} names "
                            f"a part of a root of train/, val/ and test/ folders: leave --split out")
     if split_file and RANK == 0:
-        LOGGER.info(f"{root} holds none of the files of the run's split ({split_file}): not the folder it split; "
+        LOGGER.warning(f"{root} holds none of the files of the run's split ({split_file}): not the folder it split; "
                     f"evaluating all its images")
     return labelled_as(image_folder(root, transform), classes, f"are {unknown_means}")
 
@@ -300,16 +301,16 @@ def train_val_datasets(name, train_transform, val_transform, skip_corrupt=False,
 
 
 def named_eval_dataset(name, split, transform, classes, weights, allow_outside=False, cache_dir="", shard_hosts=(),
-                       split_by_run=False):
+                       split_root=None):
     """data.name's split (train, val or test) labelled with the classes a checkpoint (weights) was trained on;
     CIFAR's val is its test set. allow_outside: data.csv_allow_outside; cache_dir, shard_hosts: data.cache_dir (a
-    shard set's node cache), data.shard_hosts; split_by_run: whether the run split a folder of class folders
-    (data.val_split), eval_dataset."""
+    shard set's node cache), data.shard_hosts; split_root: the folder of class folders the run split (its
+    data.name, where data.val_split), eval_dataset."""
     if names_shards(name):
         return eval_shards(name, split, transform, classes, weights, cache_dir, list(shard_hosts),
                            topology().local_rank == 0)
     if name not in CIFAR:
-        return eval_dataset(dataset_root(name), split, transform, classes, weights, allow_outside, split_by_run)
+        return eval_dataset(dataset_root(name), split, transform, classes, weights, allow_outside, split_root)
     dataset = cifar_dataset(name, split == "train", transform)
     if dataset.classes != list(classes):
         raise DatasetError(f"{name}: its {len(dataset.classes)} classes are not the {len(classes)} classes {weights} "

@@ -236,8 +236,8 @@ def test_auto_settles_into_the_recipe_what_every_process_runs_and_the_model_gain
     monkeypatch.setattr(precision, "native_precision", lambda device: "fp32")
     log.clear()
     assert settle(load_recipe("cls.yaml", ["train.precision=bf16"])).train.precision == "bf16"
-    assert ("train: precision bf16 on a cpu without AMX or AVX512-BF16 instructions: oneDNN emulates it, slower than "
-            "fp32 (train.precision=auto picks fp32 here)") in log.text
+    assert ("train: precision bf16 on a cpu without AMX or AVX512-BF16 instructions (or ONEDNN_MAX_CPU_ISA below "
+            "them): oneDNN emulates it, slower than fp32 (train.precision=auto picks fp32 here)") in log.text
     with pytest.raises(ValueError, match="train.channels_last='auto' is not settled"):
         tu.memory_format("auto")
     with pytest.raises(RecipeError, match="train.channels_last must be true, false or auto"):

@@ -443,9 +443,9 @@ def test_early_stopping_after_patience_epochs_without_a_better_top1(image_folder
             f"{max(top1):.2%} at epoch {best_epoch} (train.patience=2)") in log.text
     # Resumed, it would train an epoch and stop again: refused, as a run that trained all its epochs is
     error = fails(["--resume", tmp_path / "exp"], capsys)
-    assert error.rstrip().endswith(f"last.pt: the run stopped early after epoch {len(rows)}: no better val score in 2 "
-                                   f"epochs since its best, at epoch {best_epoch} (train.patience=2); to train longer, "
-                                   f"resume with train.patience=N (N > 2) or train.patience=0")
+    assert error.rstrip().endswith(f"last.pt: the run ran out of patience after epoch {len(rows)}: no better val "
+                                   f"score in 2 epochs since its best, at epoch {best_epoch} (train.patience=2); to "
+                                   f"train longer, resume with train.patience=N (N > 2) or train.patience=0")
     assert load_checkpoint(tmp_path / "exp" / "weights" / "best.pt")["epoch"] == best_epoch
 
 

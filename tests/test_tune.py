@@ -262,10 +262,10 @@ def test_a_dead_workers_trial_is_failed_by_its_heartbeat_and_run_again_by_anothe
     worker.wait()
     killed = time.time()
     time.sleep(4)  # its heartbeat is more than 3 heartbeats old
-    # Once --trials have ended no worker starts a trial that would find it dead: the report does, not "running"
-    with pytest.raises(SystemExit):  # no trial has finished yet
-        tune.main(["--report", str(tmp_path / "a" / "cls-space"), "--storage", storage, "--study", "s",
-                   "--heartbeat", "1"])
+    # Once --trials have ended no worker starts a trial that would find it dead: a worker's report does
+    study, _ = tune.open_study(storage, "s", heartbeat=1)
+    with pytest.raises(tune.UsageError, match="no trial has finished yet"):
+        tune.report(study, tmp_path / "a" / "cls-space", tune.read_settings(tmp_path / "a" / "cls-space"))
     assert [t["state"] for t in read_trials(tmp_path / "a" / "cls-space")] == ["FAIL", "WAITING"]
     command[command.index(str(tmp_path / "a"))] = str(tmp_path / "b")
     result = run_python(*command)
@@ -290,7 +290,7 @@ def test_a_trial_whose_run_ended_as_the_sweep_was_stopped_is_retried_by_reading_
         raise tune.Stopped(signal.SIGINT)
 
     command, sweep = sweep_command(space, tmp_path, 1)[1:], tmp_path / "cls-space"
-    monkeypatch.setattr(tune, "check_recipe", lambda settings: None)  # a train.py launch each: tested above
+    monkeypatch.setattr(tune, "check_recipe", lambda settings, sweep: None)  # a train.py launch each: tested above
     monkeypatch.setattr(tune, "watch", stopped_as_the_run_ends)
     with pytest.raises(SystemExit) as stopped:
         tune.main(command)
@@ -298,7 +298,7 @@ def test_a_trial_whose_run_ended_as_the_sweep_was_stopped_is_retried_by_reading_
     monkeypatch.setattr(tune, "watch", watch)
     tune.main(command)
     out, score = capsys.readouterr().out, max(tune.epoch_scores(sweep / "trial-0" / "results.csv", "top1"))
-    assert "(trial 0 again): its run had ended before the stop: it has already trained all 1 epochs" in out
+    assert "(trial 0 again): its run had ended before the stop: it has already trained all 1 epoch" in out
     trials = read_trials(sweep)
     assert [(t["state"], t["retry_of"]) for t in trials] == [("FAIL", ""), ("COMPLETE", "0")]
     assert float(trials[1]["value"]) == score and not (sweep / "logs" / "trial-1.txt").exists()  # nothing trained
@@ -489,7 +489,7 @@ def test_a_sweep_goes_on_after_changes_that_keep_its_meaning_and_not_after_other
         **first, "overrides": ["train.epochs=1", "log.to=[tensorboard,mlflow]", "data.workers=1"],
         "resolved": {**first["resolved"], "log": {**first["resolved"]["log"], "to": ["tensorboard", "mlflow"]},
                      "data": {**first["resolved"]["data"], "workers": "1"}}})
-    assert "its trials from now take data.workers=1, log.to=[tensorboard,mlflow], which change no" in \
+    assert "its new trials take data.workers=1, log.to=[tensorboard,mlflow], which change no" in \
         capsys.readouterr().out
     space.write_text(SPACE.replace("0.2,", "0.3,"))
     with pytest.raises(tune.UsageError, match="\\(the --space file's ranges differ\\)"):

@@ -495,7 +495,11 @@ def load_recipe(recipe, overrides=(), model_check=None):
     for source, layer in recipe_layers(path):
         cfg = merge_layer(cfg, layer, source)
     cfg = merge_layer(cfg, parse_overrides(overrides), COMMAND_LINE)
-    return checked(cfg, f"{path} (with command-line overrides)" if overrides else str(path), model_check)
+    source = f"{path} (with command-line overrides)" if overrides else str(path)
+    if "/" in cfg.name or cfg.name in (".", ".."):  # a new run's (a resumed one keeps the name it had)
+        raise RecipeError(f"{source}: name must be a folder's name, without '/' (to group runs in a folder, set "
+                          f"project: project=runs/train/mine), got {cfg.name!r}")
+    return checked(cfg, source, model_check)
 
 
 def load_resumed_recipe(saved, overrides=(), source="checkpoint", model_check=None):
@@ -688,8 +692,7 @@ def check_other_values(cfg, require):
     require(cfg.ddp.comm_hook in COMM_HOOKS, "ddp.comm_hook", ", ".join(COMM_HOOKS))
     require(parse_device(cfg.device) is not None, "device", DEVICES)
     require(0 <= cfg.seed < 2**31, "seed", "in [0, 2**31)")
-    require(bool(cfg.name.strip()) and "/" not in cfg.name and cfg.name not in (".", ".."), "name",
-            "a folder's name, without '/' (to group runs in a folder, set project: project=runs/train/mine)")
+    require(bool(cfg.name.strip()), "name", "a non-empty run name")
     require(set(cfg.log.to) <= {"tensorboard", *TRACKERS} and len(set(cfg.log.to)) == len(cfg.log.to), "log.to",
             f"a list of distinct loggers among tensorboard, {', '.join(TRACKERS)} (e.g. [tensorboard,mlflow])")
     for name in cfg.log.to:

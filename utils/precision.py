@@ -48,10 +48,11 @@ def settle_auto(cfg, convolutional):
     convolutional model (convolutional(cfg): more than one Conv2d), which benchmarks/compute.py and gpu.py measured
     as fast or faster in every case; a vision transformer has one convolution and gains nothing."""
     settled, why = {}, []
-    if cfg.train.precision == "bf16" and native_precision(device := select_device(cfg.device)) != "bf16" and \
-            device.type == "cpu":
-        LOGGER.info(f"{colorstr('train:')} precision bf16 on a cpu without AMX or AVX512-BF16 instructions: oneDNN "
-                    f"emulates it, slower than fp32 (train.precision=auto picks fp32 here)")
+    if cfg.train.precision == "bf16" and (device := select_device(cfg.device)).type == "cpu" and \
+            native_precision(device) != "bf16":
+        LOGGER.info(f"{colorstr('train:')} precision bf16 on a cpu without AMX or AVX512-BF16 instructions (or "
+                    f"ONEDNN_MAX_CPU_ISA below them): oneDNN emulates it, slower than fp32 (train.precision=auto "
+                    f"picks fp32 here)")
     if cfg.train.precision == "auto":
         device = select_device(cfg.device)
         natives = sorted(set(gather_object(native_precision(device))))

@@ -174,7 +174,7 @@ def check_unfinished(path, ckpt, train):
     says, overrides included)."""
     if done := run_done(ckpt, train):
         way_on = f"train.patience=N (N > {ckpt['epoch'] - ckpt['best_epoch']}) or train.patience=0" \
-            if done.startswith("stopped early") else f"train.epochs=N (N > {ckpt['epoch']})"
+            if done.startswith("ran out") else f"train.epochs=N (N > {ckpt['epoch']})"
         raise SharedError(f"{path}: the run {done}; to train longer, resume with {way_on}")
 
 
@@ -182,14 +182,14 @@ def run_done(ckpt, train):
     """How a run whose latest checkpoint is ckpt has ended under the recipe's train section (epochs, patience), in
     words; None while it has epochs to train. A run that ran out of patience is done: resumed, it would train one
     more epoch and stop again."""
-    at, waited = (ckpt["epoch"], ckpt["step"]), ckpt["epoch"] - ckpt["best_epoch"]
+    at, waited = (ckpt["epoch"], ckpt["step"]), ckpt["epoch"] - ckpt.get("best_epoch", ckpt["epoch"])
     epochs, patience = train.epochs, train.patience
     if at == (epochs, 0):
-        return f"has already trained all {epochs} epochs"
+        return f"has already trained all {epochs} epoch{'s' * (epochs != 1)}"
     if at > (epochs, 0):
         return f"is already past train.epochs={epochs} (saved {saved_at(ckpt)})"
     if patience and not ckpt["step"] and waited >= patience:
-        return (f"stopped early after epoch {ckpt['epoch']}: no better val score in {waited} "
+        return (f"ran out of patience after epoch {ckpt['epoch']}: no better val score in {waited} "
                 f"epoch{'s' * (waited != 1)} since its best, at epoch {ckpt['best_epoch']} (train.patience={patience})")
     return None
 
