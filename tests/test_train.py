@@ -430,7 +430,8 @@ def test_bf16_runs_the_forward_in_bf16_and_learns_an_easy_task(tmp_path, monkeyp
     assert load_checkpoint(tmp_path / "r" / "exp" / "weights" / "last.pt")["recipe"]["train"]["precision"] == "bf16"
 
 
-def test_early_stopping_after_patience_epochs_without_a_better_top1(image_folder, tmp_path, log, capsys):
+def test_early_stopping_after_patience_epochs_without_a_better_top1(image_folder, tmp_path, log, capsys,
+                                                                      monkeypatch):
     # Random images with random labels: val top-1 stops improving within a few epochs.
     root = image_folder({"train": {"a": 8, "b": 8}, "val": {"a": 4, "b": 4}}, size=8)
     train.main(["--recipe", "cls.yaml", f"data.name={root}", "train.epochs=12", "train.patience=2",
@@ -447,6 +448,16 @@ def test_early_stopping_after_patience_epochs_without_a_better_top1(image_folder
                                    f"score in 2 epochs since its best, at epoch {best_epoch} (train.patience=2); to "
                                    f"train longer, resume with train.patience=N (N > 2) or train.patience=0")
     assert load_checkpoint(tmp_path / "exp" / "weights" / "best.pt")["epoch"] == best_epoch
+    # A stop signal during the validation that runs out of patience: the run has ended, as it would have
+    end_epoch = train.end_epoch
+    monkeypatch.setattr(train, "end_epoch", lambda loop, state, *args: end_epoch(loop, state, *args) or
+                        state.epoch - state.best_epoch >= 2)  # what the vote says when a signal came
+    log.clear()
+    train.main(["--recipe", "cls.yaml", f"data.name={root}", "train.epochs=12", "train.patience=2",
+                "train.batch_size=4", "model.width=4", f"project={tmp_path}", "name=signalled"])
+    assert f"Stopping early after epoch {len(rows)}" in log.text and "Resume with" not in log.text
+    signalled = [float(r["val/top1"]) for r in read_results(tmp_path / "signalled")[1]]
+    assert signalled == top1  # the same run, ended where it ran out of patience
 
 
 def test_a_run_with_log_plots_false_draws_nothing_and_records_every_figure(image_folder, tmp_path, log):
