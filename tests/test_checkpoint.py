@@ -107,7 +107,7 @@ def test_resume_errors_are_one_line_before_any_work(tmp_path, capsys):
     last.parent.mkdir(parents=True)
     saved_state(train_state(finished), finished, last, at=(1, 0))  # saved after the run's one epoch
     code, err = resume(capsys, last.parent.parent)  # refused before its data, which is gone, would be read
-    assert code == 2 and err == (f"train.py: error: {last}: the run has already trained all 1 epochs; to train longer, "
+    assert code == 2 and err == (f"train.py: error: {last}: the run has already trained all 1 epoch; to train longer, "
                                  f"resume with train.epochs=N (N > 1)\n")
     saved_state(train_state(finished), finished, last, at=(7, 14))  # stopped in epoch 8 of a longer schedule
     code, err = resume(capsys, last.parent.parent, "train.epochs=3")
