@@ -173,8 +173,8 @@ def check_unfinished(path, ckpt, train):
     """Refuse to resume a run with nothing left to train under its train.epochs and train.patience (as the recipe
     says, overrides included)."""
     if done := run_done(ckpt, train):
-        way_on = f"train.patience=N (N > {ckpt['epoch'] - ckpt['best_epoch']}) or train.patience=0" \
-            if done.startswith("ran out") else f"train.epochs=N (N > {ckpt['epoch']})"
+        way_on = f"train.epochs=N (N > {ckpt['epoch']})" if (ckpt["epoch"], ckpt["step"]) >= (train.epochs, 0) else \
+            f"train.patience=N (N > {ckpt['epoch'] - ckpt['best_epoch']}) or train.patience=0"  # out of patience
         raise SharedError(f"{path}: the run {done}; to train longer, resume with {way_on}")
 
 
